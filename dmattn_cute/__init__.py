@@ -1,0 +1,6 @@
+"""Flash Dynamic Mask Attention in the CuTe Python DSL, exposed as PyTorch ops."""
+
+from dmattn_cute.attention import flash_dmattn_func
+from dmattn_cute.masks import create_mask
+
+__all__ = ["create_mask", "flash_dmattn_func"]

@@ -1,0 +1,99 @@
+"""Target architecture of a device and the per-architecture limits kernels are sized against.
+
+The CuTe DSL reads ``CUTE_DSL_ARCH`` once per process (the value is cached when the DSL is
+imported), so the target is never switched through the environment here. Every compile names
+its architecture explicitly with the ``--gpu-arch`` compile option (see ``compile_options``),
+which sets both the codegen target and the DSL's trace-time architecture checks for that one
+``cute.compile`` call; several architectures can be compiled in a row in one process.
+"""
+
+import functools
+import os
+
+import torch
+
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
+ARCH_ENV = "DMATTN_CUTE_ARCH"
+
+# sm_87 (Orin) runs sm_86 code; sm_90a is the arch-specific Hopper target (wgmma, setmaxnreg),
+# valid on compute capability 9.0 only.
+_ARCH_OF_CAPABILITY = {
+    (8, 0): "sm_80",
+    (8, 6): "sm_86",
+    (8, 7): "sm_86",
+    (8, 9): "sm_89",
+    (9, 0): "sm_90a",
+}
+
+# Opt-in shared memory per block, in bytes (the DSL's own table for these targets).
+_SMEM_CAPACITY = {
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90a": 227 * 1024,
+}
+
+
+def _supported_capabilities() -> str:
+    return ", ".join(f"{major}.{minor}" for major, minor in _ARCH_OF_CAPABILITY)
+
+
+def check_arch(arch: str) -> str:
+    """Returns ``arch`` if it is one of ``SUPPORTED_ARCHS``, else raises ValueError."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch: expected one of {', '.join(SUPPORTED_ARCHS)}, got {arch!r}")
+    return arch
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The compile target for a CUDA compute capability, e.g. (8, 6) -> "sm_86"."""
+    if (major, minor) < (8, 0):
+        raise ValueError(
+            f"compute capability {major}.{minor} is not supported: dmattn_cute needs 8.0 or "
+            f"newer (supported: {_supported_capabilities()})"
+        )
+    arch = _ARCH_OF_CAPABILITY.get((major, minor))
+    if arch is None:
+        raise ValueError(
+            f"compute capability {major}.{minor} is not supported yet "
+            f"(supported: {_supported_capabilities()})"
+        )
+    return arch
+
+
+def target_arch(device: torch.device | None = None) -> str:
+    """The architecture to compile for: ``$DMATTN_CUTE_ARCH`` if set (offline builds), else the
+    architecture of ``device`` (default: the current CUDA device)."""
+    override = os.environ.get(ARCH_ENV)
+    if override:
+        if override not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"{ARCH_ENV}: expected one of {', '.join(SUPPORTED_ARCHS)}, got {override!r}"
+            )
+        return override
+    if device is not None and device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"no CUDA device to compile for; set {ARCH_ENV} to one of "
+            f"{', '.join(SUPPORTED_ARCHS)} to compile offline"
+        )
+    if device is None or device.index is None:
+        return _device_arch(torch.cuda.current_device())
+    return _device_arch(device.index)
+
+
+@functools.cache
+def _device_arch(index: int) -> str:
+    # Asking the driver costs microseconds on every launch; a device's capability never changes.
+    return arch_for_capability(*torch.cuda.get_device_capability(index))
+
+
+def smem_capacity(arch: str) -> int:
+    """Shared memory one block may use on ``arch``, in bytes."""
+    return _SMEM_CAPACITY[check_arch(arch)]
+
+
+def compile_options(arch: str, extra: str = "") -> str:
+    """The ``cute.compile`` options string that targets ``arch``, followed by ``extra``."""
+    return f"--gpu-arch {check_arch(arch)} {extra}".strip()

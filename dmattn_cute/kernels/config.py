@@ -1,0 +1,106 @@
+"""Per-architecture tile table of the forward kernel and its shared-memory budget.
+
+The forward keeps Q (one tile), K and V (`kv_stages` tiles each), the bias (`kv_stages` tiles)
+and the mask (`MASK_STAGES` tiles: the mask runs one block further ahead than K/V, so that an
+all-False tile is known before its K/V/bias loads would be issued) in shared memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..jit.arch import smem_capacity
+
+# The mask of block n+2 is in flight while block n is computed and block n+1's mask decides
+# whether its K/V/bias loads are issued.
+MASK_STAGES = 3
+# Rows of the mask and bias tiles are padded by 16 bytes: conflict-free reads in the MMA
+# accumulator layout and 16-byte aligned cp.async destinations.
+ROW_PAD_BYTES = 16
+
+
+@dataclass(frozen=True)
+class FwdTile:
+    """Compile-time tiling of one forward CTA."""
+
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    kv_stages: int
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+
+@dataclass(frozen=True)
+class SmemOperand:
+    """What a mask or bias tile costs in shared memory: element bytes and broadcast rows."""
+
+    elem_bytes: int
+    row_broadcast: bool
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim a kernel instance is built for (predicates cover the rest)."""
+    for size in (32, 64, 96, 128, 160, 192, 256):
+        if head_dim <= size:
+            return size
+    raise ValueError(f"head_dim: expected at most 256, got {head_dim}")
+
+
+def tile_row_elems(tile_n: int, elem_bytes: int) -> int:
+    """Row pitch (elements) of a mask/bias tile in shared memory."""
+    return tile_n + ROW_PAD_BYTES // elem_bytes
+
+
+def fwd_smem_bytes(
+    tile: FwdTile,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None,
+    bias: SmemOperand | None,
+) -> int:
+    """Shared memory of one forward CTA, in bytes."""
+    total = tile.tile_m * head_dim_padded * elem_bytes
+    total += 2 * tile.kv_stages * tile.tile_n * head_dim_padded * elem_bytes
+    for operand, stages in ((mask, MASK_STAGES), (bias, tile.kv_stages)):
+        if operand is not None:
+            rows = 1 if operand.row_broadcast else tile.tile_m
+            pitch = tile_row_elems(tile.tile_n, operand.elem_bytes)
+            total += stages * rows * pitch * operand.elem_bytes
+    return total + 128  # the CTA-wide vote flags and alignment slack
+
+
+# Candidates in order of preference per padded head dim: the first that fits the
+# architecture's shared memory is used. Larger tiles amortize the online softmax; two K/V
+# stages overlap the next block's loads with this block's math.
+_CANDIDATES: dict[int, tuple[FwdTile, ...]] = {
+    64: (FwdTile(128, 128, 4, 2), FwdTile(128, 64, 4, 2), FwdTile(64, 64, 4, 2),
+         FwdTile(64, 32, 4, 2)),
+    128: (FwdTile(128, 64, 4, 2), FwdTile(64, 64, 4, 2), FwdTile(64, 32, 4, 2),
+          FwdTile(64, 32, 4, 1)),
+    256: (FwdTile(128, 64, 8, 2), FwdTile(64, 64, 4, 2), FwdTile(64, 32, 4, 2),
+          FwdTile(64, 32, 4, 1)),
+}
+
+
+def fwd_tile(
+    arch: str,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None,
+    bias: SmemOperand | None,
+) -> FwdTile:
+    """The forward tiling for `arch`; ValueError when nothing fits its shared memory."""
+    bucket = min(size for size in _CANDIDATES if head_dim_padded <= size)
+    budget = smem_capacity(arch)
+    for tile in _CANDIDATES[bucket]:
+        if fwd_smem_bytes(tile, head_dim_padded, elem_bytes, mask, bias) <= budget:
+            return tile
+    smallest = _CANDIDATES[bucket][-1]
+    need = fwd_smem_bytes(smallest, head_dim_padded, elem_bytes, mask, bias)
+    raise ValueError(
+        f"forward tile: head_dim {head_dim_padded} with mask={mask} bias={bias} needs "
+        f"{need} bytes of shared memory, {arch} has {budget}"
+    )

@@ -1,0 +1,454 @@
+"""Forward kernel: FlashAttention-2 style (mma.sync) with bias-first scores and mask tile skip.
+
+One CTA per (query block, head, batch). Q is loaded once; the CTA walks the key blocks its
+causal/window range allows. Per key block: S starts from the bias tile (not from zero), gets
+Q K^T added by the tensor cores, is masked, goes through the online softmax and P V is added
+to the output accumulator. A key block whose mask tile is all False is skipped by the whole
+CTA (no K/V/bias loads, no GEMMs): the mask runs one block ahead of K/V/bias in the cp.async
+pipeline, so the decision is made before those loads would be issued.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils
+from cutlass.cute.nvgpu import warp
+
+from . import masking, tiles
+from .config import MASK_STAGES, FwdTile, tile_row_elems
+from .softmax import OnlineSoftmax
+from .utils import acc_as_a_operand, acc_mn_view
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32,
+          "u8": cutlass.Uint8}
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class OperandSpec:
+    """Compile-time facts of a mask or bias tensor (a 4-D [Bm, Hm, Qm, Km] view).
+
+    strides: per dim "0" (broadcast), "1" (unit) or "d" (any other stride, a runtime value).
+    vec: elements per load along the keys, the widest the strides and alignment allow.
+    """
+
+    dtype: str
+    strides: tuple[str, str, str, str]
+    vec: int
+
+    @property
+    def row_broadcast(self) -> bool:
+        return self.strides[2] == "0"
+
+
+@dataclass(frozen=True)
+class FwdSpec:
+    """One forward kernel variant: the compile key, tiling and launch facts."""
+
+    dtype: str
+    head_dim_padded: int
+    even_d: bool
+    tile: FwdTile
+    mask: OperandSpec | None
+    bias: OperandSpec | None
+    has_window: bool
+    has_softcap: bool
+
+    def compile(self, arch: str):
+        from ..jit.arch import compile_options
+        from .fwd_launch import example_args
+
+        return cute.compile(FlashFwd(self), *example_args(self), options=compile_options(arch))
+
+
+class FlashFwd:
+    """The forward kernel for one FwdSpec."""
+
+    def __init__(self, spec: FwdSpec):
+        self.spec = spec
+        self.dtype = DTYPES[spec.dtype]
+        self.tile_m = spec.tile.tile_m
+        self.tile_n = spec.tile.tile_n
+        self.num_threads = spec.tile.num_threads
+        self.kv_stages = spec.tile.kv_stages
+        self.head_dim_padded = spec.head_dim_padded
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, Sq, H, D]
+        mK: cute.Tensor,  # [B, Sk, Hkv, D]
+        mV: cute.Tensor,  # [B, Sk, Hkv, D]
+        mO: cute.Tensor,  # [B, Sq, H, D]
+        mLSE: cute.Tensor,  # [B, H, Sq] fp32
+        mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
+        mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
+        scale_log2: cutlass.Float32,
+        bias_scale: cutlass.Float32,
+        softcap_scale: cutlass.Float32,
+        softcap: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        mask_head_div: cutlass.Int32,
+        bias_head_div: cutlass.Int32,
+        group: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        dp, tn = self.head_dim_padded, self.tile_n
+        atom = tiles.qkv_smem_atom(dp)
+        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, dp), (0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (tn, dp, self.kv_stages), (0, 1, 2))
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
+            (self.num_threads // 32, 1, 1),
+            permutation_mnk=(self.num_threads // 32 * 16, 16, 16),
+        )
+        copy_qkv = tiles.qkv_copy(self.dtype, dp, self.num_threads)
+        copy_o = tiles.qkv_copy(self.dtype, dp, self.num_threads, store=True)
+        grid = (cute.ceil_div(mQ.shape[1], self.tile_m), mQ.shape[2], mQ.shape[0])
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mMask, mBias,
+            scale_log2, bias_scale, softcap_scale, softcap,
+            window_left, window_right, mask_head_div, bias_head_div, group,
+            sQ_layout, sKV_layout, tiled_mma, copy_qkv, copy_o,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    def _operand_tiles(self, op: OperandSpec, mX: cute.Tensor, b, hx, m_block, seqlen_q, seqlen_k):
+        """gmem tiles (rows, N, n_blocks) of a mask/bias slice and their (row, col) coordinates.
+
+        The slice is re-viewed with the problem's logical extents (Sq or 1, Sk): broadcast dims
+        keep stride 0 and read in place.
+        """
+        rows = 1 if op.row_broadcast else self.tile_m
+        q_extent = 1 if op.row_broadcast else seqlen_q
+        view = cute.make_tensor(
+            mX[b, hx, None, None].iterator,
+            cute.make_layout((q_extent, seqlen_k), stride=(mX.stride[2], mX.stride[3])),
+        )
+        m_coord = 0 if op.row_broadcast else m_block
+        gX = cute.local_tile(view, (rows, self.tile_n), (m_coord, None))
+        cX = cute.local_tile(
+            cute.make_identity_tensor((q_extent, seqlen_k)), (rows, self.tile_n), (m_coord, None)
+        )
+        return gX, cX, q_extent
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mMask: cute.Tensor | None,
+        mBias: cute.Tensor | None,
+        scale_log2: cutlass.Float32,
+        bias_scale: cutlass.Float32,
+        softcap_scale: cutlass.Float32,
+        softcap: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        mask_head_div: cutlass.Int32,
+        bias_head_div: cutlass.Int32,
+        group: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        copy_qkv: cute.TiledCopy,
+        copy_o: cute.TiledCopy,
+    ):
+        spec = self.spec
+        tm, tn, dp, nthr = self.tile_m, self.tile_n, self.head_dim_padded, self.num_threads
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, h, b = cute.arch.block_idx()
+        hk = h // group
+        seqlen_q, seqlen_k, head_dim = mQ.shape[1], mK.shape[1], mQ.shape[3]
+
+        n_block_min, n_block_max = masking.key_block_range(
+            m_block, seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
+        )
+
+        # ---- shared memory ----
+        smem = cutlass.utils.SmemAllocator()
+        sQ = smem.allocate_tensor(self.dtype, sQ_layout, 1024)
+        sK = smem.allocate_tensor(self.dtype, sKV_layout, 1024)
+        sV = smem.allocate_tensor(self.dtype, sKV_layout, 1024)
+        # V^T view for the P V GEMM: (D, N, stages)
+        sVt = cute.composition(
+            sV, cute.make_layout((dp, tn, self.kv_stages), stride=(tn, 1, tn * dp))
+        )
+
+        # ---- gmem tiles of this CTA ----
+        gQ = cute.local_tile(mQ[b, None, h, None], (tm, dp), (m_block, 0))
+        gK = cute.local_tile(mK[b, None, hk, None], (tn, dp), (None, 0))
+        gV = cute.local_tile(mV[b, None, hk, None], (tn, dp), (None, 0))
+        cQ = cute.local_tile(cute.make_identity_tensor((seqlen_q, head_dim)), (tm, dp), (m_block, 0))
+        cKV = cute.local_tile(cute.make_identity_tensor((seqlen_k, head_dim)), (tn, dp), (None, 0))
+
+        thr_qkv = copy_qkv.get_slice(tidx)
+        tQgQ, tQsQ, tQcQ = thr_qkv.partition_S(gQ), thr_qkv.partition_D(sQ), thr_qkv.partition_S(cQ)
+        tKgK, tKsK = thr_qkv.partition_S(gK), thr_qkv.partition_D(sK)
+        tVgV, tVsV = thr_qkv.partition_S(gV), thr_qkv.partition_D(sV)
+        tKVcKV = thr_qkv.partition_S(cKV)
+
+        # ---- MMA partitions and smem -> rmem copies (ldmatrix) ----
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((tm, dp)), cutlass.Float32)
+        acc_O.fill(0.0)
+
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        s2r_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
+        s2r_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma)
+        s2r_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma)
+        thr_s2r_Q, thr_s2r_K = s2r_Q.get_slice(tidx), s2r_K.get_slice(tidx)
+        thr_s2r_V = s2r_V.get_slice(tidx)
+        tSsQ, tSrQ_v = thr_s2r_Q.partition_S(sQ), thr_s2r_Q.retile(tSrQ)
+        tSsK, tSrK_v = thr_s2r_K.partition_S(sK), thr_s2r_K.retile(tSrK)
+        tOsVt, tOrVt_v = thr_s2r_V.partition_S(sVt), thr_s2r_V.retile(tOrVt)
+
+        # (row, col) of every score this thread holds, per key block
+        cS = cute.local_tile(
+            cute.make_identity_tensor((seqlen_q, seqlen_k)), (tm, tn), (m_block, None)
+        )
+        tScS = thr_mma.partition_C(cS)
+
+        # ---- mask and bias: smem stages, gmem tiles, copies, accumulator-layout views ----
+        ops = {}
+        for name, op, mX, head_div, stages in (
+            ("mask", spec.mask, mMask, mask_head_div, MASK_STAGES),
+            ("bias", spec.bias, mBias, bias_head_div, self.kv_stages),
+        ):
+            if cutlass.const_expr(op is not None):
+                dtype = DTYPES[op.dtype]
+                rows = 1 if op.row_broadcast else tm
+                pitch = tile_row_elems(tn, dtype.width // 8)
+                sX = smem.allocate_tensor(
+                    dtype, tiles.operand_smem_layout(rows, tn, pitch, stages), 16
+                )
+                gX, cX, row_end = self._operand_tiles(
+                    op, mX, b, h // head_div, m_block, seqlen_q, seqlen_k
+                )
+                tcopy, used = tiles.operand_copy(dtype, rows, tn, op.vec, nthr)
+                thr_x = tcopy.get_slice(tidx % used)
+                # Scores of every row read row 0 of a query-broadcast tile (stride 0).
+                s_view = cute.make_tensor(
+                    sX.iterator,
+                    cute.make_layout(
+                        (tm, tn, stages), stride=(0 if op.row_broadcast else pitch, 1, rows * pitch)
+                    ),
+                )
+                ops[name] = dict(
+                    dtype=dtype, rows=rows, pitch=pitch, sX=sX, copy=tcopy, used=used,
+                    tXgX=thr_x.partition_S(gX), tXsX=thr_x.partition_D(sX),
+                    tXcX=thr_x.partition_S(cX), row_end=row_end,
+                    tSsX=thr_mma.partition_C(s_view),
+                )
+
+        ld = SimpleNamespace(
+            ops=ops, tidx=tidx, copy_qkv=copy_qkv, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
+            tKVcKV=tKVcKV, seqlen_k=seqlen_k, head_dim=head_dim,
+        )
+
+        softmax = OnlineSoftmax(cute.size(acc_mn_view(acc_O).shape[0]), scale_log2)
+        active = cute.make_rmem_tensor(1, cutlass.Int32)
+        active[0] = 1
+
+        # ---- prologue: Q; with a mask, block n_block_min's mask decides its K/V/bias loads ----
+        tiles.copy_tile(copy_qkv, tQgQ, tQsQ, tQcQ, seqlen_q, head_dim, True, not spec.even_d)
+        if cutlass.const_expr(spec.mask is not None):
+            if n_block_min < n_block_max:
+                self.load_operand(ld, "mask", n_block_min, 0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # the first mask tile is visible to every thread
+            active[0] = self.mask_tile_visible(ld, 0)
+            if n_block_min < n_block_max:
+                if active[0] != 0:
+                    self.load_kv_bias(ld, n_block_min, 0)
+                if n_block_min + 1 < n_block_max:
+                    self.load_operand(ld, "mask", n_block_min + 1, 1)
+        else:
+            if n_block_min < n_block_max:
+                self.load_kv_bias(ld, n_block_min, 0)
+        cute.arch.cp_async_commit_group()
+
+        # ---- main loop over key blocks ----
+        for n_block in cutlass.range(n_block_min, n_block_max, unroll=1):
+            it = n_block - n_block_min
+            stage = it % self.kv_stages
+            mstage = it % MASK_STAGES
+            cute.arch.cp_async_wait_group(0)
+            # K/V/bias of this block and the mask of the next have landed; every thread is done
+            # with the previous block, so its K/V/bias stage and mask stage may be refilled.
+            cute.arch.sync_threads()
+            next_active = cutlass.Int32(1)
+            has_next = n_block + 1 < n_block_max
+            if cutlass.const_expr(spec.mask is not None):
+                next_active = cutlass.Int32(0)
+                if has_next:
+                    next_active = self.mask_tile_visible(ld, (it + 1) % MASK_STAGES)
+            if cutlass.const_expr(self.kv_stages == 2):
+                if has_next and next_active != 0:
+                    self.load_kv_bias(ld, n_block + 1, 1 - stage)
+            if cutlass.const_expr(spec.mask is not None):
+                if n_block + 2 < n_block_max:
+                    self.load_operand(ld, "mask", n_block + 2, (it + 2) % MASK_STAGES)
+            cute.arch.cp_async_commit_group()
+
+            if active[0] != 0:
+                self.compute_block(
+                    spec, ops, tiled_mma, softmax, acc_O, n_block, stage, mstage, m_block,
+                    tSrQ, tSrK, tOrVt, tSsQ, tSrQ_v, tSsK, tSrK_v, tOsVt, tOrVt_v,
+                    s2r_Q, s2r_K, s2r_V, tScS, thr_mma,
+                    bias_scale, softcap_scale, softcap, seqlen_q, seqlen_k,
+                    window_left, window_right,
+                )
+            if cutlass.const_expr(self.kv_stages == 1):
+                cute.arch.sync_threads()  # the single K/V/bias stage is no longer read
+                if has_next and next_active != 0:
+                    self.load_kv_bias(ld, n_block + 1, 0)
+                cute.arch.cp_async_commit_group()
+            active[0] = next_active
+
+        # ---- epilogue: normalize, LSE (rmem -> gmem), O (rmem -> smem -> gmem) ----
+        lse = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
+        softmax.finalize(acc_O, lse)
+        coord_mn = acc_mn_view(tScS[None, None, None, 0])
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = coord_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[b, h, row] = lse[r]
+
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)
+        cute.arch.sync_threads()  # every warp is done reading sQ/sV before sO overwrites sQ
+        r2s_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
+        )
+        thr_r2s_O = r2s_O.get_slice(tidx)
+        cute.copy(r2s_O, thr_r2s_O.retile(rO), thr_r2s_O.partition_D(sO))
+        cute.arch.sync_threads()  # sO complete before the 16-byte row-wise reads below
+        gO = cute.local_tile(mO[b, None, h, None], (tm, dp), (m_block, 0))
+        thr_o = copy_o.get_slice(tidx)
+        tOsO, tOgO = thr_o.partition_S(sO), thr_o.partition_D(gO)
+        tOcO = thr_o.partition_D(cQ)
+        tOrO = cute.make_rmem_tensor_like(tOgO, self.dtype)
+        cute.copy(copy_o, tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            for k in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
+                row, col = tOcO[0, m, k]
+                if row < seqlen_q and col < head_dim:
+                    cute.copy(copy_o, tOrO[None, m, k], tOgO[None, m, k])
+
+    @cute.jit
+    def load_operand(self, ld, name: cutlass.Constexpr, n_block, stage):
+        """Mask or bias tile of key block n_block (gmem -> smem), bounds always checked."""
+        o = ld.ops[name]
+        if ld.tidx < o["used"]:
+            tiles.copy_tile(
+                o["copy"], o["tXgX"][None, None, None, n_block],
+                o["tXsX"][None, None, None, stage], o["tXcX"][None, None, None, n_block],
+                o["row_end"], ld.seqlen_k, True, True,
+            )
+
+    @cute.jit
+    def load_kv_bias(self, ld, n_block, stage):
+        """K, V (and bias) tiles of key block n_block (gmem -> smem); rows checked on the tail."""
+        even_d = self.spec.even_d
+        for tXgX, tXsX in ((ld.tKgK, ld.tKsK), (ld.tVgV, ld.tVsV)):
+            src = tXgX[None, None, None, n_block]
+            dst = tXsX[None, None, None, stage]
+            coord = ld.tKVcKV[None, None, None, n_block]
+            if (n_block + 1) * self.tile_n > ld.seqlen_k:
+                tiles.copy_tile(
+                    ld.copy_qkv, src, dst, coord, ld.seqlen_k, ld.head_dim, True, not even_d
+                )
+            else:
+                tiles.copy_tile(
+                    ld.copy_qkv, src, dst, coord, ld.seqlen_k, ld.head_dim, False, not even_d
+                )
+        if cutlass.const_expr(self.spec.bias is not None):
+            self.load_operand(ld, "bias", n_block, stage)
+
+    @cute.jit
+    def mask_tile_visible(self, ld, mstage) -> cutlass.Int32:
+        """CTA-uniform: whether the mask tile in stage `mstage` has any True byte."""
+        o = ld.ops["mask"]
+        words = cute.make_tensor(
+            cute.recast_ptr(o["sX"][None, None, mstage].iterator, dtype=cutlass.Int32),
+            cute.make_layout((o["rows"], self.tile_n // 4), stride=(o["pitch"] // 4, 1)),
+        )
+        return masking.tile_has_visible(words, ld.tidx, self.num_threads)
+
+    @cute.jit
+    def compute_block(
+        self, spec, ops, tiled_mma, softmax, acc_O, n_block, stage, mstage, m_block,
+        tSrQ, tSrK, tOrVt, tSsQ, tSrQ_v, tSsK, tSrK_v, tOsVt, tOrVt_v,
+        s2r_Q, s2r_K, s2r_V, tScS, thr_mma,
+        bias_scale, softcap_scale, softcap, seqlen_q, seqlen_k, window_left, window_right,
+    ):
+        """S = bias + Q K^T, masking, online softmax and O += P V for one key block."""
+        acc_S = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32
+        )
+        # Bias-first: S starts as bias / scale (smem -> rmem), so scale * S = scale*QK^T + bias
+        # and no separate pass adds it. With softcap the bias is added after the cap instead.
+        if cutlass.const_expr(spec.bias is not None and not spec.has_softcap):
+            tSsB = ops["bias"]["tSsX"][None, None, None, stage]
+            acc_S.store(tSsB.load().to(cutlass.Float32) * bias_scale)
+        else:
+            acc_S.fill(0.0)
+
+        # S += Q K^T: ldmatrix of k-block k+1 overlaps the MMAs of k-block k
+        tSsK_s = tSsK[None, None, None, stage]
+        num_k = cute.size(tSsQ.shape[2])
+        cute.copy(s2r_Q, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
+        cute.copy(s2r_K, tSsK_s[None, None, 0], tSrK_v[None, None, 0])
+        for k in cutlass.range_constexpr(num_k):
+            if cutlass.const_expr(k + 1 < num_k):
+                cute.copy(s2r_Q, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
+                cute.copy(s2r_K, tSsK_s[None, None, k + 1], tSrK_v[None, None, k + 1])
+            cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+
+        if cutlass.const_expr(spec.has_softcap):
+            capped = cute.math.tanh(acc_S.load() * softcap_scale, fastmath=True) * softcap
+            if cutlass.const_expr(spec.bias is not None):
+                tSsB = ops["bias"]["tSsX"][None, None, None, stage]
+                capped = capped + tSsB.load().to(cutlass.Float32)
+            acc_S.store(capped)
+        if cutlass.const_expr(spec.mask is not None):
+            masking.apply_mask(acc_S, ops["mask"]["tSsX"][None, None, None, mstage])
+        if masking.block_needs_limits(
+            n_block, m_block, seqlen_q, seqlen_k, window_left, window_right,
+            self.tile_m, self.tile_n, spec.has_window,
+        ):
+            masking.apply_limits(
+                acc_S, tScS[None, None, None, n_block], seqlen_q, seqlen_k,
+                window_left, window_right, spec.has_window,
+            )
+
+        softmax.update(acc_S, acc_O)
+
+        # O += P V: P stays in registers, re-read as the A operand
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        tOrP = cute.make_tensor(rP.iterator, acc_as_a_operand(rP.layout))
+        tOsVt_s = tOsVt[None, None, None, stage]
+        num_kv = cute.size(tOrP.shape[2])
+        cute.copy(s2r_V, tOsVt_s[None, None, 0], tOrVt_v[None, None, 0])
+        for k in cutlass.range_constexpr(num_kv):
+            if cutlass.const_expr(k + 1 < num_kv):
+                cute.copy(s2r_V, tOsVt_s[None, None, k + 1], tOrVt_v[None, None, k + 1])
+            cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)

@@ -1,0 +1,181 @@
+"""Host side of the forward: pick the kernel variant for a problem and launch it on torch tensors.
+
+The same conversion (`_cute_tensor`) builds the example arguments of an offline compile and
+the real arguments of a launch, so a compiled variant always matches what it is called with.
+"""
+
+from __future__ import annotations
+
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+import torch
+from cutlass.cute.runtime import from_dlpack
+
+from ..jit.arch import target_arch
+from ..jit.cache import compiled
+from ..problem import Problem
+from .config import SmemOperand, fwd_tile, padded_head_dim
+from .fwd import DTYPES, LOG2E, FwdSpec, OperandSpec
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                torch.uint8: "u8"}
+
+
+def _stride_kind(stride: int) -> str:
+    return "0" if stride == 0 else "1" if stride == 1 else "d"
+
+
+def _operand_spec(t: torch.Tensor, seqlen_k: int) -> OperandSpec:
+    """Stride pattern and the widest aligned key-dim vector of a normalized mask/bias view."""
+    strides = tuple(_stride_kind(s) for s in t.stride())
+    es = t.element_size()
+    vec = 1
+    if strides[3] == "1":
+        for width in (16, 8, 4, 2):
+            if width < es:
+                break
+            multiples = [t.data_ptr(), seqlen_k * es] + [s * es for s in t.stride()[:3]]
+            if all(x % width == 0 for x in multiples):
+                vec = width // es
+                break
+    return OperandSpec(_DTYPE_NAMES[t.dtype], strides, vec)
+
+
+def _operand_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernel reads: bool masks as uint8; at most one unit-stride dim."""
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    if sum(s == 1 for s in t.stride()) > 1:
+        t = t.contiguous()
+    return t
+
+
+def _qkv_view(t: torch.Tensor) -> torch.Tensor:
+    """q/k/v/out as the kernel needs them: 16-byte aligned rows (copied only when not)."""
+    aligned = t.data_ptr() % 16 == 0 and all(s != 0 and s % 8 == 0 for s in t.stride()[:3])
+    return t if aligned else t.contiguous()
+
+
+def _cute_tensor(t: torch.Tensor, align: int):
+    """from_dlpack with dynamic shapes/strides; stride-0 and unit strides stay static."""
+    unit = [i for i, s in enumerate(t.stride()) if s == 1]
+    tensor = from_dlpack(t, assumed_align=align)
+    return tensor.mark_layout_dynamic(leading_dim=unit[0] if unit else None)
+
+
+def fwd_spec(
+    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+) -> FwdSpec:
+    """The forward variant for a problem (mask/bias: kernel views from `_operand_view`)."""
+    dp = padded_head_dim(problem.head_dim)
+    mask_spec = None if mask is None else _operand_spec(mask, problem.seqlen_k)
+    bias_spec = None if bias is None else _operand_spec(bias, problem.seqlen_k)
+    elem = 2
+    tile = fwd_tile(
+        arch, dp, elem,
+        None if mask_spec is None else SmemOperand(1, mask_spec.row_broadcast),
+        None if bias_spec is None else SmemOperand(bias.element_size(), bias_spec.row_broadcast),
+    )
+    has_window = problem.is_causal or problem.window_left >= 0 or problem.window_right >= 0
+    return FwdSpec(
+        dtype=_DTYPE_NAMES[problem.dtype],
+        head_dim_padded=dp,
+        even_d=problem.head_dim == dp,
+        tile=tile,
+        mask=mask_spec,
+        bias=bias_spec,
+        has_window=has_window,
+        has_softcap=problem.softcap > 0,
+    )
+
+
+def _scalars(problem: Problem, mask, bias) -> list:
+    scale = problem.softmax_scale
+    if problem.softcap > 0:
+        # Scores are capped before the bias is added: softmax runs on final scores.
+        scale_log2, bias_scale = LOG2E, 1.0
+        softcap_scale, softcap = scale / problem.softcap, problem.softcap
+    else:
+        scale_log2, bias_scale, softcap_scale, softcap = scale * LOG2E, 1.0 / scale, 0.0, 0.0
+    unbounded = problem.seqlen_q + problem.seqlen_k
+    left = problem.window_left if problem.window_left >= 0 else unbounded
+    right = problem.window_right if problem.window_right >= 0 else unbounded
+    if problem.is_causal:
+        right = min(right, 0)
+    heads = problem.num_heads
+    mask_div = heads // (1 if mask is None else mask.shape[1])
+    bias_div = heads // (1 if bias is None else bias.shape[1])
+    return [scale_log2, bias_scale, softcap_scale, softcap, left, right, mask_div, bias_div,
+            heads // problem.num_heads_kv]
+
+
+def _args(spec: FwdSpec, q, k, v, out, lse, mask, bias, scalars, stream) -> list:
+    return [
+        _cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
+        _cute_tensor(lse, 4),
+        None if mask is None else _cute_tensor(mask, spec.mask.vec),
+        None if bias is None else _cute_tensor(bias, spec.bias.vec * bias.element_size()),
+        *scalars, stream,
+    ]
+
+
+def _fake(dtype: str, strides: tuple[str, ...], align: int, stride_div: int = 1):
+    """A compile-time stand-in for a gmem tensor: dynamic extents, the given stride pattern."""
+    stride = [{"0": 0, "1": 1}.get(kind) for kind in strides]
+    stride = [cute.sym_int64(divisibility=stride_div) if s is None else s for s in stride]
+    shape = [cute.sym_int32() for _ in strides]
+    return cute.runtime.make_fake_tensor(
+        DTYPES[dtype], tuple(shape), tuple(stride), assumed_align=align
+    )
+
+
+def example_args(spec: FwdSpec) -> list:
+    """Arguments for an offline `cute.compile` of `spec`: fake gmem tensors, placeholder scalars.
+
+    They must match what `_args` passes at launch: q/k/v/out rows 16-byte aligned (strides
+    multiples of 8), mask/bias with their stride pattern and vector alignment.
+    """
+    qkv = _fake(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8)
+    lse = _fake("fp32", ("d", "d", "1"), 4)
+    mask = bias = None
+    if spec.mask is not None:
+        mask = _fake(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
+    if spec.bias is not None:
+        elem = DTYPES[spec.bias.dtype].width // 8
+        bias = _fake(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
+    scalars = [1.0, 1.0, 0.0, 0.0, 0, 0, 1, 1, 1]
+    return [qkv, qkv, qkv, qkv, lse, mask, bias, *scalars, cuda.CUstream(0)]
+
+
+def flash_fwd(
+    problem: Problem,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on CUDA tensors; returns out [B, Sq, H, D] and lse [B, H, Sq] fp32.
+
+    mask/bias are the normalized 4-D views of `problem.make_problem`; out/lse may be given
+    (e.g. poisoned by tests) and are written in place.
+    """
+    q, k, v = _qkv_view(q), _qkv_view(k), _qkv_view(v)
+    mask = None if mask is None else _operand_view(mask)
+    bias = None if bias is None else _operand_view(bias)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if lse is None:
+        lse = torch.empty(problem.batch, problem.num_heads, problem.seqlen_q,
+                          dtype=torch.float32, device=q.device)
+    spec = fwd_spec(problem, mask, bias, target_arch(q.device))
+    kernel = compiled(spec, target_arch(q.device))
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    kernel(*_args(spec, q, k, v, out, lse, mask, bias, _scalars(problem, mask, bias), stream))
+    return out, lse
+
+
+__all__ = ["example_args", "flash_fwd", "fwd_spec"]

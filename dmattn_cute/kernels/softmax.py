@@ -1,0 +1,63 @@
+"""Online softmax over the key blocks of one query tile, in exp2 with the scale folded in."""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+from .utils import acc_mn_view, quad_allreduce_max, quad_allreduce_sum
+
+LN2 = math.log(2.0)
+
+
+class OnlineSoftmax:
+    """Running row max and row sum of this thread's accumulator rows.
+
+    Scores stay in accumulator units; `scale_log2` maps them to log2 units, so each probability
+    is exp2(FMA(s, scale_log2, -max * scale_log2)). A row that has seen no visible key keeps
+    max = -inf; its shift is taken as 0 so exp2(-inf) = 0 and nothing becomes NaN.
+    """
+
+    def __init__(self, num_rows: int, scale_log2: cutlass.Float32):
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        self.row_max.fill(-cutlass.Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def update(self, acc_s: cute.Tensor, acc_o: cute.Tensor):
+        """Turn scores of one key block into probabilities; rescale the output accumulator."""
+        s_mn = acc_mn_view(acc_s)
+        o_mn = acc_mn_view(acc_o)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row = s_mn[r, None].load()
+            block_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
+            prev_max = self.row_max[r]
+            new_max = cute.arch.fmax(prev_max, block_max)
+            shift = (0.0 if new_max == -cutlass.Float32.inf else new_max) * self.scale_log2
+            probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
+            correction = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
+            self.row_sum[r] = self.row_sum[r] * correction + probs.reduce(
+                cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+            )
+            self.row_max[r] = new_max
+            o_mn[r, None] = o_mn[r, None].load() * correction
+            s_mn[r, None] = probs
+
+    @cute.jit
+    def finalize(self, acc_o: cute.Tensor, lse: cute.Tensor):
+        """Normalize the output rows; write each row's natural-log LSE into `lse`.
+
+        Rows with no visible key have sum 0: output 0 and LSE -inf. A NaN sum propagates.
+        """
+        o_mn = acc_mn_view(acc_o)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            total = quad_allreduce_sum(self.row_sum[r])
+            empty = total == 0.0
+            inv = 0.0 if empty else cute.arch.rcp_approx(total)
+            o_mn[r, None] = o_mn[r, None].load() * inv
+            row_lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            lse[r] = -cutlass.Float32.inf if empty else row_lse

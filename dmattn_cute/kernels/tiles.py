@@ -1,0 +1,88 @@
+"""Shared-memory layouts and predicated gmem -> smem tile copies (Q/K/V, mask, bias).
+
+Every vector of a tile is either copied or zero-filled, so a tile never holds stale data:
+rows past the sequence end and head-dim columns past D read as 0 (a zero V row times a zero
+probability cannot make NaN), and mask bytes past the end read as False.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+
+def qkv_smem_atom(head_dim_padded: int) -> cute.ComposedLayout:
+    """Swizzled 8-row atom for 16-bit Q/K/V tiles: ldmatrix reads are bank-conflict free."""
+    width = 64 if head_dim_padded % 64 == 0 else 32
+    bits = 3 if width == 64 else 2
+    return cute.make_composed_layout(
+        cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, width), stride=(width, 1))
+    )
+
+
+def qkv_copy(dtype, head_dim_padded: int, num_threads: int, store: bool = False):
+    """16-byte vectors along the head dim, threads laid out over the swizzle atom: cp.async
+    gmem -> smem loads, or (store=True) plain copies for the output's smem -> gmem path."""
+    vec = 128 // dtype.width
+    per_row = cute.size(qkv_smem_atom(head_dim_padded).outer.shape[1]) // vec
+    if store:
+        op = cute.nvgpu.CopyUniversalOp()
+    else:
+        op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=128)
+    threads = cute.make_layout((num_threads // per_row, per_row), stride=(per_row, 1))
+    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec)))
+
+
+def operand_copy(dtype, rows: int, tile_n: int, vec: int, num_threads: int):
+    """Copy of a (rows, tile_n) mask or bias tile in `vec`-element vectors.
+
+    cp.async moves 4, 8 or 16 bytes; narrower vectors (rows whose stride or length allows no
+    wider aligned access) use plain loads and stores. Returns (tiled copy, threads used).
+    """
+    bits = vec * dtype.width
+    if bits >= 32:
+        op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS)
+    else:
+        op = cute.nvgpu.CopyUniversalOp()
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
+    per_row = tile_n // vec
+    used = min(num_threads, rows * per_row)
+    threads = cute.make_layout((used // per_row, per_row), stride=(per_row, 1))
+    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec))), used
+
+
+def operand_smem_layout(rows: int, tile_n: int, pitch: int, stages: int) -> cute.Layout:
+    """(rows, tile_n, stages) row-major tiles with a padded row pitch."""
+    return cute.make_layout((rows, tile_n, stages), stride=(pitch, 1, rows * pitch))
+
+
+@cute.jit
+def copy_tile(
+    tiled_copy: cute.TiledCopy,
+    src: cute.Tensor,
+    dst: cute.Tensor,
+    coord: cute.Tensor,
+    row_end: cutlass.Int32,
+    col_end: cutlass.Int32,
+    check_rows: cutlass.Constexpr,
+    check_cols: cutlass.Constexpr,
+):
+    """gmem -> smem copy of one thread's (V, R, C) share of a tile, zero-filling vectors whose
+    first element lies at or past (row_end, col_end) when that bound is checked."""
+    if cutlass.const_expr(not check_rows and not check_cols):
+        cute.copy(tiled_copy, src, dst)
+    else:
+        for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
+            for k in cutlass.range_constexpr(cute.size(dst.shape[2])):
+                row, col = coord[0, m, k]
+                inside = cutlass.Boolean(True)
+                if cutlass.const_expr(check_rows):
+                    inside = inside & (row < row_end)
+                if cutlass.const_expr(check_cols):
+                    inside = inside & (col < col_end)
+                if inside:
+                    cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
+                else:
+                    dst[None, m, k].fill(0)

@@ -1,0 +1,50 @@
+"""Small device helpers shared by the kernels: accumulator views and warp reductions."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an mma.sync accumulator ((2, 2), MMA_M, MMA_N) as (rows, cols) of this thread.
+
+    In the m16n8 C fragment, mode 0 is (column pair, row half): rows are (mode0[1], MMA_M)
+    and columns (mode0[0], MMA_N).
+    """
+    shape, stride = acc.layout.shape, acc.layout.stride
+    mn = cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[2])),
+        stride=((stride[0][1], stride[1]), (stride[0][0], stride[2])),
+    )
+    return cute.make_tensor(acc.iterator, mn)
+
+
+def acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
+    """Re-read an m16n8 accumulator layout as an m16n8k16 A operand layout.
+
+    Two neighbouring n8 atoms of C make one k16 atom of A:
+    (4, MMA_M, MMA_N) -> ((4, 2), MMA_M, MMA_N / 2).
+    """
+    div = cute.logical_divide(acc_layout, (None, None, 2))
+    return cute.make_layout(
+        ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
+        stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
+    )
+
+
+@cute.jit
+def quad_allreduce_max(val: cutlass.Float32) -> cutlass.Float32:
+    """Max over the 4 threads that share an accumulator row."""
+    for offset in cutlass.range_constexpr(2):
+        other = cute.arch.shuffle_sync_bfly(val, offset=2 >> offset)
+        val = cute.arch.fmax(val, other)
+    return val
+
+
+@cute.jit
+def quad_allreduce_sum(val: cutlass.Float32) -> cutlass.Float32:
+    """Sum over the 4 threads that share an accumulator row."""
+    for offset in cutlass.range_constexpr(2):
+        val = val + cute.arch.shuffle_sync_bfly(val, offset=2 >> offset)
+    return val

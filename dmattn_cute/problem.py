@@ -1,0 +1,276 @@
+"""Validate the inputs of one attention call once, before anything runs, and describe them.
+
+`make_problem` checks everything SPEC.md's "Errors" lists and returns a frozen `Problem`
+(sizes and flags) plus the mask and bias as 4-D broadcast views read in place by the kernels.
+Every error names the argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import torch
+from torch import Tensor
+
+from dmattn_cute.jit.arch import arch_for_capability
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes and flags of one call: query [B, Sq, H, D], key/value [B, Sk, Hkv, D]."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    num_heads: int
+    num_heads_kv: int
+    head_dim: int
+    dtype: torch.dtype  # q/k/v dtype (fp16 or bf16)
+    softmax_scale: float
+    is_causal: bool
+    softcap: float  # 0.0 = off
+    window_left: int  # -1 = unbounded
+    window_right: int  # -1 = unbounded
+    deterministic: bool
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _is_int(value: object) -> bool:
+    # bool is an Integral, but True as a window side is almost surely a mistake.
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is a bool; TypeError naming `name` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_window_size(window_size: object) -> tuple[int, int]:
+    """(left, right) from a pair of ints, each -1 (unbounded) or >= 0."""
+    if not (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(_is_int(side) for side in window_size)
+    ):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(side) for side in window_size)
+    for side, value in (("left", left), ("right", right)):
+        if value < -1:
+            raise ValueError(
+                f"window_size: expected {side} to be -1 (unbounded) or >= 0, got {value}"
+            )
+    return left, right
+
+
+def check_device(device: torch.device) -> None:
+    """Raise ValueError for a CUDA device the kernels have no target for (e.g. capability < 8.0).
+
+    Other device types run the PyTorch reference and are always accepted.
+    """
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    try:
+        arch_for_capability(major, minor)
+    except ValueError as err:
+        raise ValueError(
+            f"query: expected a CUDA device the kernels support, got {device} of compute "
+            f"capability {major}.{minor}: {err}"
+        ) from err
+
+
+def _check_qkv(query: object, key: object, value: object) -> None:
+    tensors = {"query": query, "key": key, "value": value}
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in tensors.items():
+        if t.dim() != 4:
+            layout = "[B, Sq, H, D]" if name == "query" else "[B, Sk, Hkv, D]"
+            raise ValueError(
+                f"{name}: expected a 4-D tensor {layout}, got {t.dim()}-D of shape {_shape(t)}"
+            )
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query: expected dtype torch.float16 or torch.bfloat16, got {query.dtype}")
+    for name in ("key", "value"):
+        t = tensors[name]
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name}: expected dtype {query.dtype} like query, got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name}: expected device {query.device} like query, got {t.device}")
+
+    batch, seqlen_q, num_heads, head_dim = _shape(query)
+    seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
+    if key.shape[0] != batch:
+        raise ValueError(
+            f"key: expected dim 0 (batch) to be B={batch} like query, got {key.shape[0]}"
+        )
+    if key.shape[3] != head_dim:
+        raise ValueError(
+            f"key: expected dim 3 (head_dim) to be D={head_dim} like query, got {key.shape[3]}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"value: expected the shape of key {_shape(key)}, got {_shape(value)}")
+    for name, dim, label, size in (
+        ("query", 0, "batch", batch),
+        ("query", 1, "Sq", seqlen_q),
+        ("query", 2, "H", num_heads),
+        ("key", 1, "Sk", seqlen_k),
+        ("key", 2, "Hkv", num_heads_kv),
+    ):
+        if size < 1:
+            raise ValueError(f"{name}: expected dim {dim} ({label}) to be >= 1, got {size}")
+    if num_heads % num_heads_kv != 0:
+        raise ValueError(
+            f"query: expected the number of heads H={num_heads} to be a multiple of key's "
+            f"Hkv={num_heads_kv}, got H % Hkv = {num_heads % num_heads_kv}"
+        )
+    if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0):
+        raise ValueError(
+            f"query: expected head_dim D to be a multiple of {HEAD_DIM_MULTIPLE} in "
+            f"[{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}], got {head_dim}"
+        )
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}: expected the last dim (head_dim) to be contiguous (stride 1), "
+                f"got strides {t.stride()}"
+            )
+
+
+def normalize_broadcast(
+    t: Tensor | None,
+    name: str,
+    batch: int,
+    heads: int,
+    heads_kv: int,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> Tensor | None:
+    """A mask/bias as a 4-D [Bm, Hm, Qm, Km] view of the same storage, or None for None.
+
+    t: [Bm, Hm, Km] (Qm = 1) or [Bm, Hm, Qm, Km] with Bm in {1, B}, Hm in {1, Hkv, H},
+    Qm in {1, Sq}, Km in {1, Sk}; any strides (expanded stride-0 views included).
+    Size-1 dims get stride 0 so a kernel can index every dim alike; nothing is copied.
+    Raises ValueError naming `name` for a wrong rank or a dim that does not broadcast.
+    """
+    if t is None:
+        return None
+    if t.dim() not in (3, 4):
+        raise ValueError(
+            f"{name}: expected a 3-D [Bm, Hm, Km] or 4-D [Bm, Hm, Qm, Km] tensor, "
+            f"got {t.dim()}-D of shape {_shape(t)}"
+        )
+    heads_allowed = f"1, Hkv={heads_kv} or H={heads}" if heads_kv != heads else f"1 or H={heads}"
+    dims = [
+        ("batch", (1, batch), f"1 or B={batch}"),
+        ("heads", (1, heads_kv, heads), heads_allowed),
+        ("queries", (1, seqlen_q), f"1 or Sq={seqlen_q}"),
+        ("keys", (1, seqlen_k), f"1 or Sk={seqlen_k}"),
+    ]
+    if t.dim() == 3:
+        del dims[2]
+    for index, ((label, allowed, allowed_text), size) in enumerate(zip(dims, t.shape, strict=True)):
+        if size not in allowed:
+            raise ValueError(
+                f"{name}: expected dim {index} ({label}) to be {allowed_text}, got {size}"
+            )
+
+    view = t.unsqueeze(2) if t.dim() == 3 else t
+    strides = tuple(
+        0 if size == 1 else stride for size, stride in zip(view.shape, view.stride(), strict=True)
+    )
+    return view.as_strided(view.shape, strides, view.storage_offset())
+
+
+def _check_mask_bias(attn_mask: object, attn_bias: object, query: Tensor) -> None:
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask: expected dtype torch.bool, got {attn_mask.dtype}")
+    if attn_bias is not None and attn_bias.dtype not in (query.dtype, torch.float32):
+        raise TypeError(
+            f"attn_bias: expected dtype {query.dtype} (the query's) or torch.float32, "
+            f"got {attn_bias.dtype}"
+        )
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None and t.device != query.device:
+            raise ValueError(f"{name}: expected device {query.device} like query, got {t.device}")
+
+
+def _check_scalars(softmax_scale: object, softcap: object, head_dim: int) -> tuple[float, float]:
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if not _is_real(softmax_scale):
+        raise TypeError(
+            f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}"
+        )
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale: expected a finite value > 0, got {softmax_scale}")
+    if not _is_real(softcap):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: expected a finite value >= 0 (0 = off), got {softcap}")
+    return float(softmax_scale), float(softcap)
+
+
+def make_problem(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    attn_bias: Tensor | None,
+    softmax_scale: float | None,
+    is_causal: bool,
+    softcap: float,
+    window_size: tuple[int, int],
+    deterministic: bool,
+) -> tuple[Problem, Tensor | None, Tensor | None]:
+    """Validate one call of flash_dmattn_func (arguments as in SPEC.md) and describe it.
+
+    Returns the Problem and the mask and bias as 4-D [Bm, Hm, Qm, Km] views
+    (see normalize_broadcast), each None when not given. Raises TypeError for a wrong type or
+    dtype and ValueError for a wrong shape, value or device; nothing is launched or written.
+    """
+    _check_qkv(query, key, value)
+    batch, seqlen_q, num_heads, head_dim = _shape(query)
+    seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
+    _check_mask_bias(attn_mask, attn_bias, query)
+    sizes = (batch, num_heads, num_heads_kv, seqlen_q, seqlen_k)
+    mask = normalize_broadcast(attn_mask, "attn_mask", *sizes)
+    bias = normalize_broadcast(attn_bias, "attn_bias", *sizes)
+    softmax_scale, softcap = _check_scalars(softmax_scale, softcap, head_dim)
+    window_left, window_right = check_window_size(window_size)
+    problem = Problem(
+        batch=batch,
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        num_heads=num_heads,
+        num_heads_kv=num_heads_kv,
+        head_dim=head_dim,
+        dtype=query.dtype,
+        softmax_scale=softmax_scale,
+        is_causal=check_bool("is_causal", is_causal),
+        softcap=softcap,
+        window_left=window_left,
+        window_right=window_right,
+        deterministic=check_bool("deterministic", deterministic),
+    )
+    check_device(query.device)
+    return problem, mask, bias

@@ -1,0 +1,273 @@
+"""Forward kernel vs the float32 reference on the GPU (SPEC.md's tolerance rule).
+
+Every run poisons out and lse with NaN before the launch, so an element the kernel fails to
+write shows up as a failure.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmattn_cute.attention import flash_dmattn_func
+from dmattn_cute.kernels.fwd_launch import flash_fwd
+from dmattn_cute.problem import make_problem
+from dmattn_cute.reference import attention_ref
+from tests.utils import check_close, random_inputs
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def run_and_check(
+    q, k, v, mask=None, bias=None, *, scale=None, causal=False, softcap=0.0, window=(-1, -1)
+):
+    """Kernel (outputs poisoned) vs the fp32 and the low-precision reference."""
+    problem, mask4, bias4 = make_problem(q, k, v, mask, bias, scale, causal, softcap, window, False)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    flash_fwd(problem, q, k, v, mask4, bias4, out=out, lse=lse)
+    kwargs = {
+        "softmax_scale": scale,
+        "is_causal": causal,
+        "softcap": softcap,
+        "window_size": window,
+    }
+    out_ref, lse_ref = attention_ref(q, k, v, mask, bias, **kwargs)
+    out_lowp, lse_lowp = attention_ref(q, k, v, mask, bias, compute_dtype=None, **kwargs)
+    check_close("out", out, out_ref, out_lowp, q.dtype)
+    check_close("lse", lse, lse_ref, lse_lowp.float(), q.dtype)
+    return out, lse, out_ref, lse_ref
+
+
+SEQLENS = [
+    (1, 1),
+    (17, 63),
+    (63, 65),
+    (64, 64),
+    (65, 127),
+    (127, 128),
+    (128, 129),
+    (129, 255),
+    (255, 17),
+    (1000, 1000),
+    (1, 4095),
+    (4095, 1000),
+    (64, 4096),
+    (4096, 129),
+]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
+def test_seqlens_mask_and_bias(seqlen_q, seqlen_k):
+    b, h = 2, 2
+    q, k, v, mask, bias = random_inputs(
+        b,
+        seqlen_q,
+        seqlen_k,
+        h,
+        h,
+        64,
+        torch.bfloat16,
+        "cuda",
+        mask_shape=(b, h, seqlen_q, seqlen_k),
+        bias_shape=(b, h, seqlen_q, seqlen_k),
+    )
+    run_and_check(q, k, v, mask, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 80, 96, 128, 160, 192, 256])
+def test_head_dims(head_dim, dtype):
+    q, k, v, mask, bias = random_inputs(
+        2,
+        129,
+        200,
+        4,
+        2,
+        head_dim,
+        dtype,
+        "cuda",
+        mask_shape=(2, 2, 129, 200),
+        bias_shape=(2, 4, 1, 200),
+    )
+    run_and_check(q, k, v, mask, bias)
+
+
+@pytest.mark.parametrize("heads,heads_kv", [(1, 1), (4, 4), (8, 2), (8, 1)])
+def test_gqa(heads, heads_kv):
+    q, k, v, mask, bias = random_inputs(
+        2,
+        100,
+        300,
+        heads,
+        heads_kv,
+        128,
+        torch.bfloat16,
+        "cuda",
+        mask_shape=(2, heads_kv, 100, 300),
+        bias_shape=(2, heads, 100, 300),
+    )
+    run_and_check(q, k, v, mask, bias)
+
+
+def _broadcast_shapes(b, hkv, h, sq, sk):
+    return [
+        (bb, hh, qq, kk)
+        for bb in (1, b)
+        for hh in sorted({1, hkv, h})
+        for qq in (1, sq)
+        for kk in (1, sk)
+    ]
+
+
+@pytest.mark.parametrize("shape", _broadcast_shapes(2, 2, 4, 70, 130))
+def test_mask_broadcast(shape):
+    q, k, v, mask, bias = random_inputs(
+        2,
+        70,
+        130,
+        4,
+        2,
+        64,
+        torch.float16,
+        "cuda",
+        mask_shape=shape,
+        bias_shape=(2, 4, 70, 130),
+        mask_density=0.7,
+    )
+    run_and_check(q, k, v, mask, bias)
+
+
+@pytest.mark.parametrize("shape", _broadcast_shapes(2, 2, 4, 70, 130))
+def test_bias_broadcast(shape):
+    q, k, v, mask, bias = random_inputs(
+        2,
+        70,
+        130,
+        4,
+        2,
+        64,
+        torch.bfloat16,
+        "cuda",
+        mask_shape=(2, 2, 70, 130),
+        bias_shape=shape,
+        mask_density=0.7,
+    )
+    run_and_check(q, k, v, mask, bias)
+
+
+def test_three_dim_mask_and_fp32_bias():
+    q, k, v, _, _ = random_inputs(2, 90, 150, 4, 2, 64, torch.bfloat16, "cuda")
+    mask = torch.rand(2, 2, 150, device="cuda") < 0.6
+    bias = torch.randn(2, 4, 150, device="cuda", dtype=torch.float32)
+    run_and_check(q, k, v, mask, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("operands", ["none", "mask", "bias", "both"])
+@pytest.mark.parametrize(
+    "causal,window,seqlens",
+    [
+        (False, (-1, -1), (200, 300)),
+        (True, (-1, -1), (200, 300)),
+        (True, (-1, -1), (300, 200)),
+        (False, (64, 32), (250, 250)),
+        (True, (100, -1), (150, 400)),
+        (False, (0, 0), (130, 130)),
+    ],
+)
+def test_flags(dtype, operands, causal, window, seqlens):
+    sq, sk = seqlens
+    q, k, v, mask, bias = random_inputs(
+        1,
+        sq,
+        sk,
+        2,
+        1,
+        128,
+        dtype,
+        "cuda",
+        mask_shape=(1, 1, sq, sk) if operands in ("mask", "both") else None,
+        bias_shape=(1, 2, sq, sk) if operands in ("bias", "both") else None,
+    )
+    run_and_check(q, k, v, mask, bias, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("operands", ["none", "both"])
+def test_softcap(operands):
+    q, k, v, mask, bias = random_inputs(
+        2,
+        150,
+        170,
+        2,
+        2,
+        64,
+        torch.bfloat16,
+        "cuda",
+        mask_shape=(2, 2, 150, 170) if operands == "both" else None,
+        bias_shape=(2, 1, 150, 170) if operands == "both" else None,
+    )
+    run_and_check(q * 4, k * 4, v, mask, bias, softcap=5.0, scale=0.3)
+
+
+def test_fully_masked_rows_and_tiles():
+    b, h, sq, sk = 2, 2, 300, 500
+    q, k, v, mask, bias = random_inputs(
+        b,
+        sq,
+        sk,
+        h,
+        h,
+        64,
+        torch.bfloat16,
+        "cuda",
+        mask_shape=(b, h, sq, sk),
+        bias_shape=(b, h, sq, sk),
+    )
+    mask[:, :, 10:40] = False  # fully masked rows
+    mask[:, :, :, 128:320] = False  # fully masked key blocks for every query block
+    mask[0, 1] = False  # a whole head
+    bias[:, :, 50:60] = float("-inf")  # rows masked through the bias
+    out, lse, _, _ = run_and_check(q, k, v, mask, bias)
+    assert torch.equal(out[:, 10:40], torch.zeros_like(out[:, 10:40]))
+    assert torch.isneginf(lse[:, :, 10:40]).all() and torch.isneginf(lse[0, 1]).all()
+    assert torch.isneginf(lse[:, :, 50:60]).all()
+
+
+def test_block_sparse_mask_matches_reference():
+    b, h, sq, sk = 1, 4, 512, 1024
+    q, k, v, _, bias = random_inputs(
+        b, sq, sk, h, h, 128, torch.bfloat16, "cuda", bias_shape=(b, h, 1, sk)
+    )
+    blocks = torch.rand(b, h, sq // 64, sk // 64, device="cuda") < 0.25
+    mask = blocks.repeat_interleave(64, 2).repeat_interleave(64, 3)
+    run_and_check(q, k, v, mask, bias)
+
+
+def test_non_contiguous_qkv_and_mask():
+    qkv = torch.randn(2, 180, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    mask = (torch.rand(2, 4, 260, 200, device="cuda") < 0.5)[:, :, 10:190, :180]
+    bias = torch.randn(2, 4, 180, 200, device="cuda", dtype=torch.bfloat16).transpose(2, 3)
+    run_and_check(q, k, v, mask, bias[:, :, :180])
+
+
+def test_public_api_on_cuda():
+    q, k, v, mask, bias = random_inputs(
+        2,
+        77,
+        99,
+        4,
+        2,
+        64,
+        torch.float16,
+        "cuda",
+        mask_shape=(2, 1, 77, 99),
+        bias_shape=(1, 4, 77, 99),
+    )
+    out, lse = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, mask, bias, is_causal=True)
+    lowp, lowp_lse = attention_ref(q, k, v, mask, bias, is_causal=True, compute_dtype=None)
+    check_close("out", out, ref, lowp, q.dtype)
+    check_close("lse", lse, ref_lse, lowp_lse.float(), q.dtype)

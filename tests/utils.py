@@ -1,0 +1,84 @@
+"""Shared test helpers: random problem inputs and SPEC.md's tolerance rule."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# SPEC.md: relative error bound ||got - ref|| / ||ref|| per input dtype.
+REL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def check_close(name: str, got: Tensor, ref: Tensor, ref_lowp: Tensor, dtype: torch.dtype) -> None:
+    """Assert SPEC.md's rule for one output of a kernel run in `dtype` (bf16 or fp16).
+
+    got: the kernel's result; ref: the float32/float64 reference; ref_lowp: the same reference
+    computed in `dtype`. All three have one shape. Passes when
+    max|got - ref| <= 2 * max|ref_lowp - ref| + 1e-5 and ||got - ref|| / ||ref|| is below
+    REL_TOLERANCE[dtype] (when ||ref|| == 0, got must be exactly 0). NaN in got fails; -inf in
+    ref (lse of a fully masked row) must be -inf in got and is left out of the comparison.
+    Raises AssertionError naming `name`, the errors and their limits.
+    """
+    got, ref, ref_lowp = (t.detach().to(torch.float64) for t in (got, ref, ref_lowp))
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert not got.isnan().any(), f"{name}: {int(got.isnan().sum())} NaN values"
+    ref_neg_inf = ref.isneginf()
+    mismatched = int((got.isneginf() != ref_neg_inf).sum())
+    assert mismatched == 0, f"{name}: {mismatched} positions differ in being -inf from ref"
+    finite = ~ref_neg_inf
+    got, ref, ref_lowp = got[finite], ref[finite], ref_lowp[finite]
+    if ref.numel() == 0:
+        return
+
+    max_err = (got - ref).abs().max().item()
+    lowp_err = (ref_lowp - ref).abs().max().item()
+    max_limit = 2 * lowp_err + 1e-5
+    ref_norm = ref.norm().item()
+    if ref_norm == 0:
+        assert max_err == 0, f"{name}: ref is all zero but max|got| = {max_err:.3e}"
+        return
+    rel_err = (got - ref).norm().item() / ref_norm
+    rel_limit = REL_TOLERANCE[dtype]
+    assert max_err <= max_limit and rel_err < rel_limit, (
+        f"{name}: max abs err {max_err:.3e} (limit {max_limit:.3e} = 2 * lowp err "
+        f"{lowp_err:.3e} + 1e-5), rel err {rel_err:.3e} (limit {rel_limit:.1e})"
+    )
+
+
+def random_inputs(
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    heads: int,
+    heads_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    mask_shape: tuple[int, ...] | None = None,
+    bias_shape: tuple[int, ...] | None = None,
+    mask_density: float = 0.5,
+    bias_dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Random q [B, Sq, H, D], k and v [B, Sk, Hkv, D], mask and bias.
+
+    mask: bool of `mask_shape` with P(True) = mask_density; bias: standard normal of
+    `bias_shape` in `bias_dtype` (default `dtype`); each None when its shape is None.
+    requires_grad applies to q, k, v and bias (all leaves). `generator` must live on `device`.
+    """
+
+    def normal(*shape: int, dtype: torch.dtype) -> Tensor:
+        t = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+        return t.requires_grad_(requires_grad)
+
+    q = normal(batch, seqlen_q, heads, head_dim, dtype=dtype)
+    k = normal(batch, seqlen_k, heads_kv, head_dim, dtype=dtype)
+    v = normal(batch, seqlen_k, heads_kv, head_dim, dtype=dtype)
+    mask = None
+    if mask_shape is not None:
+        mask = torch.rand(mask_shape, generator=generator, device=device) < mask_density
+    bias = None
+    if bias_shape is not None:
+        bias = normal(*bias_shape, dtype=bias_dtype or dtype)
+    return q, k, v, mask, bias
