@@ -8,9 +8,17 @@ import pytest
 import torch
 
 from dmattn_cute.jit import SUPPORTED_ARCHS
+from dmattn_cute.jit.arch import smem_capacity
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
+from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
 
 pytestmark = pytest.mark.compile
+
+FULL_MASK = OperandSpec("u8", ("d", "d", "d", "1"), 16)
+KEY_BCAST_MASK = OperandSpec("u8", ("d", "0", "d", "0"), 1)
+FULL_BIAS = OperandSpec("bf16", ("d", "d", "d", "1"), 8)
+ROW_BIAS_FP32 = OperandSpec("fp32", ("d", "d", "0", "1"), 4)
+UNALIGNED_BIAS = OperandSpec("bf16", ("0", "d", "d", "1"), 1)
 
 BWD_PRE_CASES = [
     pytest.param(torch.float16, 128, id="fp16-d128"),
@@ -44,3 +52,68 @@ def test_bwd_pre_ptx_targets_the_arch(
 def test_bwd_pre_loads_128_bit_vectors(target: str, dtype: torch.dtype, head_dim: int) -> None:
     loads = re.findall(r"\bld\.global\.\S+", bwd_pre_ptx(target, dtype, head_dim))
     assert loads and all(".v4.b32" in load for load in loads), loads
+
+
+def fwd_spec_for(
+    target: str,
+    head_dim: int,
+    dtype: str = "bf16",
+    mask: OperandSpec | None = FULL_MASK,
+    bias: OperandSpec | None = FULL_BIAS,
+    has_window: bool = False,
+    has_softcap: bool = False,
+) -> FwdSpec:
+    return FwdSpec.build(target, dtype, head_dim, mask, bias, has_window, has_softcap)
+
+
+def fwd_ptx(target: str, spec: FwdSpec) -> str:
+    with tempfile.TemporaryDirectory() as dump_dir:
+        return spec.compile(target, f"--keep-ptx --dump-dir {dump_dir}").artifacts.PTX
+
+
+def check_fwd_ptx(target: str, ptx: str) -> None:
+    assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == [target]
+    assert "mma.sync.aligned.m16n8k16" in ptx
+    assert "cp.async" in ptx and "ldmatrix" in ptx
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"),
+    [
+        (32, "bf16"),
+        (40, "fp16"),
+        (64, "bf16"),
+        (80, "fp16"),
+        (96, "bf16"),
+        (128, "fp16"),
+        (160, "bf16"),
+        (192, "fp16"),
+        (256, "bf16"),
+    ],
+)
+@pytest.mark.parametrize("target", SUPPORTED_ARCHS)
+def test_fwd_head_dims_compile(target: str, head_dim: int, dtype: str) -> None:
+    spec = fwd_spec_for(target, head_dim, dtype)
+    assert spec.smem_bytes() <= smem_capacity(target)
+    check_fwd_ptx(target, fwd_ptx(target, spec))
+
+
+@pytest.mark.parametrize("has_softcap", [False, True])
+@pytest.mark.parametrize("has_window", [False, True])
+@pytest.mark.parametrize(
+    "bias", [None, FULL_BIAS, ROW_BIAS_FP32], ids=["nobias", "bias", "rowbias32"]
+)
+@pytest.mark.parametrize("mask", [None, FULL_MASK], ids=["nomask", "mask"])
+@pytest.mark.parametrize("target", SUPPORTED_ARCHS)
+def test_fwd_flag_combinations_compile(target, mask, bias, has_window, has_softcap) -> None:
+    spec = fwd_spec_for(
+        target, 128, mask=mask, bias=bias, has_window=has_window, has_softcap=has_softcap
+    )
+    check_fwd_ptx(target, fwd_ptx(target, spec))
+
+
+@pytest.mark.parametrize("target", SUPPORTED_ARCHS)
+def test_fwd_unaligned_operands_compile(target: str) -> None:
+    # Sk odd: mask bytes and bf16 bias rows allow only element-wide, synchronous loads.
+    spec = fwd_spec_for(target, 64, mask=KEY_BCAST_MASK, bias=UNALIGNED_BIAS, has_window=True)
+    check_fwd_ptx(target, fwd_ptx(target, spec))

@@ -76,12 +76,24 @@ def fwd_smem_bytes(
 # architecture's shared memory is used. Larger tiles amortize the online softmax; two K/V
 # stages overlap the next block's loads with this block's math.
 _CANDIDATES: dict[int, tuple[FwdTile, ...]] = {
-    64: (FwdTile(128, 128, 4, 2), FwdTile(128, 64, 4, 2), FwdTile(64, 64, 4, 2),
-         FwdTile(64, 32, 4, 2)),
-    128: (FwdTile(128, 64, 4, 2), FwdTile(64, 64, 4, 2), FwdTile(64, 32, 4, 2),
-          FwdTile(64, 32, 4, 1)),
-    256: (FwdTile(128, 64, 8, 2), FwdTile(64, 64, 4, 2), FwdTile(64, 32, 4, 2),
-          FwdTile(64, 32, 4, 1)),
+    64: (
+        FwdTile(128, 128, 4, 2),
+        FwdTile(128, 64, 4, 2),
+        FwdTile(64, 64, 4, 2),
+        FwdTile(64, 32, 4, 2),
+    ),
+    128: (
+        FwdTile(128, 64, 4, 2),
+        FwdTile(64, 64, 4, 2),
+        FwdTile(64, 32, 4, 2),
+        FwdTile(64, 32, 4, 1),
+    ),
+    256: (
+        FwdTile(128, 64, 8, 2),
+        FwdTile(64, 64, 4, 2),
+        FwdTile(64, 32, 4, 2),
+        FwdTile(64, 32, 4, 1),
+    ),
 }
 
 

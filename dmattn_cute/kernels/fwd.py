@@ -16,17 +16,29 @@ from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.cute as cute
-import cutlass.utils
+from cutlass import cute
 from cutlass.cute.nvgpu import warp
+from cutlass.memory import SmemAllocator
 
 from . import masking, tiles
-from .config import MASK_STAGES, FwdTile, tile_row_elems
+from .config import (
+    MASK_STAGES,
+    FwdTile,
+    SmemOperand,
+    fwd_smem_bytes,
+    fwd_tile,
+    padded_head_dim,
+    tile_row_elems,
+)
 from .softmax import OnlineSoftmax
 from .utils import acc_as_a_operand, acc_mn_view
 
-DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32,
-          "u8": cutlass.Uint8}
+DTYPES = {
+    "bf16": cutlass.BFloat16,
+    "fp16": cutlass.Float16,
+    "fp32": cutlass.Float32,
+    "u8": cutlass.Uint8,
+}
 LOG2E = math.log2(math.e)
 
 
@@ -46,6 +58,9 @@ class OperandSpec:
     def row_broadcast(self) -> bool:
         return self.strides[2] == "0"
 
+    def smem(self) -> SmemOperand:
+        return SmemOperand(DTYPES[self.dtype].width // 8, self.row_broadcast)
+
 
 @dataclass(frozen=True)
 class FwdSpec:
@@ -60,11 +75,35 @@ class FwdSpec:
     has_window: bool
     has_softcap: bool
 
-    def compile(self, arch: str):
+    @staticmethod
+    def build(
+        arch: str,
+        dtype: str,
+        head_dim: int,
+        mask: OperandSpec | None,
+        bias: OperandSpec | None,
+        has_window: bool,
+        has_softcap: bool,
+    ) -> FwdSpec:
+        """The variant for these choices, tiled by the per-arch table (ValueError if nothing
+        fits the architecture's shared memory)."""
+        dp = padded_head_dim(head_dim)
+        smem = [None if op is None else op.smem() for op in (mask, bias)]
+        tile = fwd_tile(arch, dp, DTYPES[dtype].width // 8, *smem)
+        return FwdSpec(dtype, dp, head_dim == dp, tile, mask, bias, has_window, has_softcap)
+
+    def smem_bytes(self) -> int:
+        smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
+        return fwd_smem_bytes(self.tile, self.head_dim_padded, DTYPES[self.dtype].width // 8, *smem)
+
+    def compile(self, arch: str, extra_options: str = ""):
+        """cute.compile of this variant for `arch` (no GPU needed)."""
         from ..jit.arch import compile_options
         from .fwd_launch import example_args
 
-        return cute.compile(FlashFwd(self), *example_args(self), options=compile_options(arch))
+        return cute.compile(
+            FlashFwd(self), *example_args(self), options=compile_options(arch, extra_options)
+        )
 
 
 class FlashFwd:
@@ -113,10 +152,27 @@ class FlashFwd:
         copy_o = tiles.qkv_copy(self.dtype, dp, self.num_threads, store=True)
         grid = (cute.ceil_div(mQ.shape[1], self.tile_m), mQ.shape[2], mQ.shape[0])
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mMask, mBias,
-            scale_log2, bias_scale, softcap_scale, softcap,
-            window_left, window_right, mask_head_div, bias_head_div, group,
-            sQ_layout, sKV_layout, tiled_mma, copy_qkv, copy_o,
+            mQ,
+            mK,
+            mV,
+            mO,
+            mLSE,
+            mMask,
+            mBias,
+            scale_log2,
+            bias_scale,
+            softcap_scale,
+            softcap,
+            window_left,
+            window_right,
+            mask_head_div,
+            bias_head_div,
+            group,
+            sQ_layout,
+            sKV_layout,
+            tiled_mma,
+            copy_qkv,
+            copy_o,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     def _operand_tiles(self, op: OperandSpec, mX: cute.Tensor, b, hx, m_block, seqlen_q, seqlen_k):
@@ -175,7 +231,7 @@ class FlashFwd:
         )
 
         # ---- shared memory ----
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         sQ = smem.allocate_tensor(self.dtype, sQ_layout, 1024)
         sK = smem.allocate_tensor(self.dtype, sKV_layout, 1024)
         sV = smem.allocate_tensor(self.dtype, sKV_layout, 1024)
@@ -188,7 +244,9 @@ class FlashFwd:
         gQ = cute.local_tile(mQ[b, None, h, None], (tm, dp), (m_block, 0))
         gK = cute.local_tile(mK[b, None, hk, None], (tn, dp), (None, 0))
         gV = cute.local_tile(mV[b, None, hk, None], (tn, dp), (None, 0))
-        cQ = cute.local_tile(cute.make_identity_tensor((seqlen_q, head_dim)), (tm, dp), (m_block, 0))
+        cQ = cute.local_tile(
+            cute.make_identity_tensor((seqlen_q, head_dim)), (tm, dp), (m_block, 0)
+        )
         cKV = cute.local_tile(cute.make_identity_tensor((seqlen_k, head_dim)), (tn, dp), (None, 0))
 
         thr_qkv = copy_qkv.get_slice(tidx)
@@ -247,16 +305,31 @@ class FlashFwd:
                         (tm, tn, stages), stride=(0 if op.row_broadcast else pitch, 1, rows * pitch)
                     ),
                 )
-                ops[name] = dict(
-                    dtype=dtype, rows=rows, pitch=pitch, sX=sX, copy=tcopy, used=used,
-                    tXgX=thr_x.partition_S(gX), tXsX=thr_x.partition_D(sX),
-                    tXcX=thr_x.partition_S(cX), row_end=row_end,
+                ops[name] = SimpleNamespace(
+                    dtype=dtype,
+                    rows=rows,
+                    pitch=pitch,
+                    sX=sX,
+                    copy=tcopy,
+                    used=used,
+                    tXgX=thr_x.partition_S(gX),
+                    tXsX=thr_x.partition_D(sX),
+                    tXcX=thr_x.partition_S(cX),
+                    row_end=row_end,
                     tSsX=thr_mma.partition_C(s_view),
                 )
 
         ld = SimpleNamespace(
-            ops=ops, tidx=tidx, copy_qkv=copy_qkv, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
-            tKVcKV=tKVcKV, seqlen_k=seqlen_k, head_dim=head_dim,
+            ops=ops,
+            tidx=tidx,
+            copy_qkv=copy_qkv,
+            tKgK=tKgK,
+            tKsK=tKsK,
+            tVgV=tVgV,
+            tVsV=tVsV,
+            tKVcKV=tKVcKV,
+            seqlen_k=seqlen_k,
+            head_dim=head_dim,
         )
 
         softmax = OnlineSoftmax(cute.size(acc_mn_view(acc_O).shape[0]), scale_log2)
@@ -307,11 +380,36 @@ class FlashFwd:
 
             if active[0] != 0:
                 self.compute_block(
-                    spec, ops, tiled_mma, softmax, acc_O, n_block, stage, mstage, m_block,
-                    tSrQ, tSrK, tOrVt, tSsQ, tSrQ_v, tSsK, tSrK_v, tOsVt, tOrVt_v,
-                    s2r_Q, s2r_K, s2r_V, tScS, thr_mma,
-                    bias_scale, softcap_scale, softcap, seqlen_q, seqlen_k,
-                    window_left, window_right,
+                    spec,
+                    ops,
+                    tiled_mma,
+                    softmax,
+                    acc_O,
+                    n_block,
+                    stage,
+                    mstage,
+                    m_block,
+                    tSrQ,
+                    tSrK,
+                    tOrVt,
+                    tSsQ,
+                    tSrQ_v,
+                    tSsK,
+                    tSrK_v,
+                    tOsVt,
+                    tOrVt_v,
+                    s2r_Q,
+                    s2r_K,
+                    s2r_V,
+                    tScS,
+                    thr_mma,
+                    bias_scale,
+                    softcap_scale,
+                    softcap,
+                    seqlen_q,
+                    seqlen_k,
+                    window_left,
+                    window_right,
                 )
             if cutlass.const_expr(self.kv_stages == 1):
                 cute.arch.sync_threads()  # the single K/V/bias stage is no longer read
@@ -356,11 +454,16 @@ class FlashFwd:
     def load_operand(self, ld, name: cutlass.Constexpr, n_block, stage):
         """Mask or bias tile of key block n_block (gmem -> smem), bounds always checked."""
         o = ld.ops[name]
-        if ld.tidx < o["used"]:
+        if ld.tidx < o.used:
             tiles.copy_tile(
-                o["copy"], o["tXgX"][None, None, None, n_block],
-                o["tXsX"][None, None, None, stage], o["tXcX"][None, None, None, n_block],
-                o["row_end"], ld.seqlen_k, True, True,
+                o.copy,
+                o.tXgX[None, None, None, n_block],
+                o.tXsX[None, None, None, stage],
+                o.tXcX[None, None, None, n_block],
+                o.row_end,
+                ld.seqlen_k,
+                True,
+                True,
             )
 
     @cute.jit
@@ -387,17 +490,44 @@ class FlashFwd:
         """CTA-uniform: whether the mask tile in stage `mstage` has any True byte."""
         o = ld.ops["mask"]
         words = cute.make_tensor(
-            cute.recast_ptr(o["sX"][None, None, mstage].iterator, dtype=cutlass.Int32),
-            cute.make_layout((o["rows"], self.tile_n // 4), stride=(o["pitch"] // 4, 1)),
+            cute.recast_ptr(o.sX[None, None, mstage].iterator, dtype=cutlass.Int32),
+            cute.make_layout((o.rows, self.tile_n // 4), stride=(o.pitch // 4, 1)),
         )
         return masking.tile_has_visible(words, ld.tidx, self.num_threads)
 
     @cute.jit
     def compute_block(
-        self, spec, ops, tiled_mma, softmax, acc_O, n_block, stage, mstage, m_block,
-        tSrQ, tSrK, tOrVt, tSsQ, tSrQ_v, tSsK, tSrK_v, tOsVt, tOrVt_v,
-        s2r_Q, s2r_K, s2r_V, tScS, thr_mma,
-        bias_scale, softcap_scale, softcap, seqlen_q, seqlen_k, window_left, window_right,
+        self,
+        spec,
+        ops,
+        tiled_mma,
+        softmax,
+        acc_O,
+        n_block,
+        stage,
+        mstage,
+        m_block,
+        tSrQ,
+        tSrK,
+        tOrVt,
+        tSsQ,
+        tSrQ_v,
+        tSsK,
+        tSrK_v,
+        tOsVt,
+        tOrVt_v,
+        s2r_Q,
+        s2r_K,
+        s2r_V,
+        tScS,
+        thr_mma,
+        bias_scale,
+        softcap_scale,
+        softcap,
+        seqlen_q,
+        seqlen_k,
+        window_left,
+        window_right,
     ):
         """S = bias + Q K^T, masking, online softmax and O += P V for one key block."""
         acc_S = cute.make_rmem_tensor(
@@ -406,7 +536,7 @@ class FlashFwd:
         # Bias-first: S starts as bias / scale (smem -> rmem), so scale * S = scale*QK^T + bias
         # and no separate pass adds it. With softcap the bias is added after the cap instead.
         if cutlass.const_expr(spec.bias is not None and not spec.has_softcap):
-            tSsB = ops["bias"]["tSsX"][None, None, None, stage]
+            tSsB = ops["bias"].tSsX[None, None, None, stage]
             acc_S.store(tSsB.load().to(cutlass.Float32) * bias_scale)
         else:
             acc_S.fill(0.0)
@@ -425,18 +555,30 @@ class FlashFwd:
         if cutlass.const_expr(spec.has_softcap):
             capped = cute.math.tanh(acc_S.load() * softcap_scale, fastmath=True) * softcap
             if cutlass.const_expr(spec.bias is not None):
-                tSsB = ops["bias"]["tSsX"][None, None, None, stage]
+                tSsB = ops["bias"].tSsX[None, None, None, stage]
                 capped = capped + tSsB.load().to(cutlass.Float32)
             acc_S.store(capped)
         if cutlass.const_expr(spec.mask is not None):
-            masking.apply_mask(acc_S, ops["mask"]["tSsX"][None, None, None, mstage])
+            masking.apply_mask(acc_S, ops["mask"].tSsX[None, None, None, mstage])
         if masking.block_needs_limits(
-            n_block, m_block, seqlen_q, seqlen_k, window_left, window_right,
-            self.tile_m, self.tile_n, spec.has_window,
+            n_block,
+            m_block,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+            self.tile_m,
+            self.tile_n,
+            spec.has_window,
         ):
             masking.apply_limits(
-                acc_S, tScS[None, None, None, n_block], seqlen_q, seqlen_k,
-                window_left, window_right, spec.has_window,
+                acc_S,
+                tScS[None, None, None, n_block],
+                seqlen_q,
+                seqlen_k,
+                window_left,
+                window_right,
+                spec.has_window,
             )
 
         softmax.update(acc_S, acc_O)

@@ -6,20 +6,22 @@ the real arguments of a launch, so a compiled variant always matches what it is 
 
 from __future__ import annotations
 
-
 import cuda.bindings.driver as cuda
-import cutlass.cute as cute
 import torch
+from cutlass import cute
 from cutlass.cute.runtime import from_dlpack
 
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
 from ..problem import Problem
-from .config import SmemOperand, fwd_tile, padded_head_dim
 from .fwd import DTYPES, LOG2E, FwdSpec, OperandSpec
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                torch.uint8: "u8"}
+_DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.uint8: "u8",
+}
 
 
 def _stride_kind(stride: int) -> str:
@@ -68,25 +70,15 @@ def fwd_spec(
     problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
 ) -> FwdSpec:
     """The forward variant for a problem (mask/bias: kernel views from `_operand_view`)."""
-    dp = padded_head_dim(problem.head_dim)
-    mask_spec = None if mask is None else _operand_spec(mask, problem.seqlen_k)
-    bias_spec = None if bias is None else _operand_spec(bias, problem.seqlen_k)
-    elem = 2
-    tile = fwd_tile(
-        arch, dp, elem,
-        None if mask_spec is None else SmemOperand(1, mask_spec.row_broadcast),
-        None if bias_spec is None else SmemOperand(bias.element_size(), bias_spec.row_broadcast),
-    )
     has_window = problem.is_causal or problem.window_left >= 0 or problem.window_right >= 0
-    return FwdSpec(
-        dtype=_DTYPE_NAMES[problem.dtype],
-        head_dim_padded=dp,
-        even_d=problem.head_dim == dp,
-        tile=tile,
-        mask=mask_spec,
-        bias=bias_spec,
-        has_window=has_window,
-        has_softcap=problem.softcap > 0,
+    return FwdSpec.build(
+        arch,
+        _DTYPE_NAMES[problem.dtype],
+        problem.head_dim,
+        None if mask is None else _operand_spec(mask, problem.seqlen_k),
+        None if bias is None else _operand_spec(bias, problem.seqlen_k),
+        has_window,
+        problem.softcap > 0,
     )
 
 
@@ -106,17 +98,30 @@ def _scalars(problem: Problem, mask, bias) -> list:
     heads = problem.num_heads
     mask_div = heads // (1 if mask is None else mask.shape[1])
     bias_div = heads // (1 if bias is None else bias.shape[1])
-    return [scale_log2, bias_scale, softcap_scale, softcap, left, right, mask_div, bias_div,
-            heads // problem.num_heads_kv]
+    return [
+        scale_log2,
+        bias_scale,
+        softcap_scale,
+        softcap,
+        left,
+        right,
+        mask_div,
+        bias_div,
+        heads // problem.num_heads_kv,
+    ]
 
 
 def _args(spec: FwdSpec, q, k, v, out, lse, mask, bias, scalars, stream) -> list:
     return [
-        _cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
+        _cute_tensor(q, 16),
+        _cute_tensor(k, 16),
+        _cute_tensor(v, 16),
+        _cute_tensor(out, 16),
         _cute_tensor(lse, 4),
         None if mask is None else _cute_tensor(mask, spec.mask.vec),
         None if bias is None else _cute_tensor(bias, spec.bias.vec * bias.element_size()),
-        *scalars, stream,
+        *scalars,
+        stream,
     ]
 
 
@@ -169,8 +174,9 @@ def flash_fwd(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
-        lse = torch.empty(problem.batch, problem.num_heads, problem.seqlen_q,
-                          dtype=torch.float32, device=q.device)
+        lse = torch.empty(
+            problem.batch, problem.num_heads, problem.seqlen_q, dtype=torch.float32, device=q.device
+        )
     spec = fwd_spec(problem, mask, bias, target_arch(q.device))
     kernel = compiled(spec, target_arch(q.device))
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)

@@ -8,7 +8,7 @@ finite value so the arithmetic here needs no special case.
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
+from cutlass import cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 

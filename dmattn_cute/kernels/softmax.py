@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import cutlass
-import cutlass.cute as cute
+from cutlass import cute
 
 from .utils import acc_mn_view, quad_allreduce_max, quad_allreduce_sum
 
@@ -34,7 +34,9 @@ class OnlineSoftmax:
         o_mn = acc_mn_view(acc_o)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = s_mn[r, None].load()
-            block_max = quad_allreduce_max(row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
+            block_max = quad_allreduce_max(
+                row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+            )
             prev_max = self.row_max[r]
             new_max = cute.arch.fmax(prev_max, block_max)
             shift = (0.0 if new_max == -cutlass.Float32.inf else new_max) * self.scale_log2
@@ -59,5 +61,7 @@ class OnlineSoftmax:
             empty = total == 0.0
             inv = 0.0 if empty else cute.arch.rcp_approx(total)
             o_mn[r, None] = o_mn[r, None].load() * inv
-            row_lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            row_lse = (
+                self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)
+            ) * LN2
             lse[r] = -cutlass.Float32.inf if empty else row_lse

@@ -8,7 +8,7 @@ probability cannot make NaN), and mask bytes past the end read as False.
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
+from cutlass import cute
 from cutlass.cute.nvgpu import cpasync
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
+from cutlass import cute
 
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:

@@ -1,0 +1,1 @@
+"""Benchmarks of dmattn_cute against other attention implementations (GPU only)."""
