@@ -1,8 +1,8 @@
 """Per-architecture tile table of the forward kernel and its shared-memory budget.
 
-The forward keeps Q (one tile), K and V (`kv_stages` tiles each), the bias (`kv_stages` tiles)
-and the mask (`MASK_STAGES` tiles: the mask runs one block further ahead than K/V, so that an
-all-False tile is known before its K/V/bias loads would be issued) in shared memory.
+The forward keeps Q (one tile) and K, V, mask and bias (`kv_stages` tiles each) in shared
+memory. Tiles are chosen to let two CTAs share an SM where some candidate allows it (one CTA's
+loads and barriers then overlap the other's math), else the first candidate that fits.
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ from dataclasses import dataclass
 
 from ..jit.arch import smem_capacity
 
-# The mask of block n+2 is in flight while block n is computed and block n+1's mask decides
-# whether its K/V/bias loads are issued.
-MASK_STAGES = 3
 # Rows of the mask and bias tiles are padded by 16 bytes: conflict-free reads in the MMA
 # accumulator layout and 16-byte aligned cp.async destinations.
 ROW_PAD_BYTES = 16
@@ -64,26 +61,28 @@ def fwd_smem_bytes(
     """Shared memory of one forward CTA, in bytes."""
     total = tile.tile_m * head_dim_padded * elem_bytes
     total += 2 * tile.kv_stages * tile.tile_n * head_dim_padded * elem_bytes
-    for operand, stages in ((mask, MASK_STAGES), (bias, tile.kv_stages)):
+    for operand in (mask, bias):
         if operand is not None:
             rows = 1 if operand.row_broadcast else tile.tile_m
             pitch = tile_row_elems(tile.tile_n, operand.elem_bytes)
-            total += stages * rows * pitch * operand.elem_bytes
-    return total + 128  # the CTA-wide vote flags and alignment slack
+            total += tile.kv_stages * rows * pitch * operand.elem_bytes
+    return total + 128  # the mask scan's per-warp words and alignment slack
 
 
-# Candidates in order of preference per padded head dim: the first that fits the
-# architecture's shared memory is used. Larger tiles amortize the online softmax; two K/V
-# stages overlap the next block's loads with this block's math.
+# Candidates in order of preference per padded head dim. Larger tiles amortize the online
+# softmax; two K/V stages overlap the next block's loads with this block's math; a single stage
+# halves K/V's shared memory so that a second CTA fits on the SM instead.
 _CANDIDATES: dict[int, tuple[FwdTile, ...]] = {
     64: (
         FwdTile(128, 128, 4, 2),
         FwdTile(128, 64, 4, 2),
+        FwdTile(128, 64, 4, 1),
         FwdTile(64, 64, 4, 2),
         FwdTile(64, 32, 4, 2),
     ),
     128: (
         FwdTile(128, 64, 4, 2),
+        FwdTile(128, 64, 4, 1),
         FwdTile(64, 64, 4, 2),
         FwdTile(64, 32, 4, 2),
         FwdTile(64, 32, 4, 1),
@@ -95,6 +94,16 @@ _CANDIDATES: dict[int, tuple[FwdTile, ...]] = {
         FwdTile(64, 32, 4, 1),
     ),
 }
+# Warps resident per SM that hide the latency of loads and barriers (FlashAttention-2 runs
+# 4-warp CTAs two to an SM).
+_WANTED_WARPS_PER_SM = 8
+# Shared memory the hardware reserves for each resident CTA.
+_RESERVED_PER_CTA = 1024
+
+
+def ctas_per_sm(arch: str, smem_bytes: int) -> int:
+    """How many CTAs of `smem_bytes` shared memory fit on one SM of `arch`."""
+    return (smem_capacity(arch) + _RESERVED_PER_CTA) // (smem_bytes + _RESERVED_PER_CTA)
 
 
 def fwd_tile(
@@ -104,15 +113,22 @@ def fwd_tile(
     mask: SmemOperand | None,
     bias: SmemOperand | None,
 ) -> FwdTile:
-    """The forward tiling for `arch`; ValueError when nothing fits its shared memory."""
+    """The forward tiling for `arch`: the first candidate that keeps _WANTED_WARPS_PER_SM
+    resident, else the first that fits; ValueError when nothing fits its shared memory."""
     bucket = min(size for size in _CANDIDATES if head_dim_padded <= size)
-    budget = smem_capacity(arch)
-    for tile in _CANDIDATES[bucket]:
-        if fwd_smem_bytes(tile, head_dim_padded, elem_bytes, mask, bias) <= budget:
+    fitting = [
+        (tile, ctas_per_sm(arch, fwd_smem_bytes(tile, head_dim_padded, elem_bytes, mask, bias)))
+        for tile in _CANDIDATES[bucket]
+    ]
+    fitting = [(tile, ctas) for tile, ctas in fitting if ctas >= 1]
+    for tile, ctas in fitting:
+        if ctas * tile.num_warps >= _WANTED_WARPS_PER_SM:
             return tile
+    if fitting:
+        return fitting[0][0]
     smallest = _CANDIDATES[bucket][-1]
     need = fwd_smem_bytes(smallest, head_dim_padded, elem_bytes, mask, bias)
     raise ValueError(
         f"forward tile: head_dim {head_dim_padded} with mask={mask} bias={bias} needs "
-        f"{need} bytes of shared memory, {arch} has {budget}"
+        f"{need} bytes of shared memory, {arch} has {smem_capacity(arch)}"
     )

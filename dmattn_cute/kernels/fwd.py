@@ -22,7 +22,6 @@ from cutlass.memory import SmemAllocator
 
 from . import masking, tiles
 from .config import (
-    MASK_STAGES,
     FwdTile,
     SmemOperand,
     fwd_smem_bytes,
@@ -30,6 +29,7 @@ from .config import (
     padded_head_dim,
     tile_row_elems,
 )
+from .masking import SCAN_BLOCKS
 from .softmax import OnlineSoftmax
 from .utils import acc_as_a_operand, acc_mn_view
 
@@ -282,16 +282,16 @@ class FlashFwd:
 
         # ---- mask and bias: smem stages, gmem tiles, copies, accumulator-layout views ----
         ops = {}
-        for name, op, mX, head_div, stages in (
-            ("mask", spec.mask, mMask, mask_head_div, MASK_STAGES),
-            ("bias", spec.bias, mBias, bias_head_div, self.kv_stages),
+        for name, op, mX, head_div in (
+            ("mask", spec.mask, mMask, mask_head_div),
+            ("bias", spec.bias, mBias, bias_head_div),
         ):
             if cutlass.const_expr(op is not None):
                 dtype = DTYPES[op.dtype]
                 rows = 1 if op.row_broadcast else tm
                 pitch = tile_row_elems(tn, dtype.width // 8)
                 sX = smem.allocate_tensor(
-                    dtype, tiles.operand_smem_layout(rows, tn, pitch, stages), 16
+                    dtype, tiles.operand_smem_layout(rows, tn, pitch, self.kv_stages), 16
                 )
                 gX, cX, row_end = self._operand_tiles(
                     op, mX, b, h // head_div, m_block, seqlen_q, seqlen_k
@@ -299,17 +299,14 @@ class FlashFwd:
                 tcopy, used = tiles.operand_copy(dtype, rows, tn, op.vec, nthr)
                 thr_x = tcopy.get_slice(tidx % used)
                 # Scores of every row read row 0 of a query-broadcast tile (stride 0).
+                row_stride = 0 if op.row_broadcast else pitch
                 s_view = cute.make_tensor(
                     sX.iterator,
                     cute.make_layout(
-                        (tm, tn, stages), stride=(0 if op.row_broadcast else pitch, 1, rows * pitch)
+                        (tm, tn, self.kv_stages), stride=(row_stride, 1, rows * pitch)
                     ),
                 )
                 ops[name] = SimpleNamespace(
-                    dtype=dtype,
-                    rows=rows,
-                    pitch=pitch,
-                    sX=sX,
                     copy=tcopy,
                     used=used,
                     tXgX=thr_x.partition_S(gX),
@@ -331,92 +328,105 @@ class FlashFwd:
             seqlen_k=seqlen_k,
             head_dim=head_dim,
         )
-
+        mm = SimpleNamespace(
+            tiled_mma=tiled_mma,
+            thr_mma=thr_mma,
+            tSrQ=tSrQ,
+            tSrK=tSrK,
+            tOrVt=tOrVt,
+            tSsQ=tSsQ,
+            tSrQ_v=tSrQ_v,
+            tSsK=tSsK,
+            tSrK_v=tSrK_v,
+            tOsVt=tOsVt,
+            tOrVt_v=tOrVt_v,
+            s2r_Q=s2r_Q,
+            s2r_K=s2r_K,
+            s2r_V=s2r_V,
+            tScS=tScS,
+        )
+        limits = SimpleNamespace(
+            m_block=m_block,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            window_left=window_left,
+            window_right=window_right,
+        )
+        scores = SimpleNamespace(
+            bias_scale=bias_scale, softcap_scale=softcap_scale, softcap=softcap
+        )
         softmax = OnlineSoftmax(cute.size(acc_mn_view(acc_O).shape[0]), scale_log2)
-        active = cute.make_rmem_tensor(1, cutlass.Int32)
-        active[0] = 1
 
-        # ---- prologue: Q; with a mask, block n_block_min's mask decides its K/V/bias loads ----
-        tiles.copy_tile(copy_qkv, tQgQ, tQsQ, tQcQ, seqlen_q, head_dim, True, not spec.even_d)
+        # With a mask, key blocks are visited through a bitmap of the blocks whose mask tile has a
+        # True byte, scanned SCAN_BLOCKS at a time (gmem -> rmem, before any K/V/bias load):
+        # all-False tiles cost neither loads nor GEMMs nor barriers.
+        scan = None
+        s_words = None
         if cutlass.const_expr(spec.mask is not None):
+            op = ops["mask"]
+            rows = 1 if spec.mask.row_broadcast else tm
+            scan_copy, _ = tiles.operand_copy(
+                cutlass.Uint8, rows, tn, spec.mask.vec, nthr, to_registers=True
+            )
+            # Same thread/value layout as the smem copy, so its gmem partitions serve as they are.
+            scan = SimpleNamespace(
+                copy=scan_copy,
+                used=op.used,
+                row_end=op.row_end,
+                tXgX=op.tXgX,
+                tXcX=op.tXcX,
+                frag=cute.make_rmem_tensor_like(op.tXgX[None, None, None, 0]),
+            )
+            s_words = smem.allocate_tensor(cutlass.Int32, cute.make_layout(nthr // 32), 4)
+        # state: [0] visible-block bits of the current scan window, [1] K/V stage of the next load
+        state = cute.make_rmem_tensor(2, cutlass.Int32)
+        state[0] = -1
+        state[1] = 0
+
+        # ---- prologue: Q (gmem -> smem) ----
+        tiles.copy_tile(copy_qkv, tQgQ, tQsQ, tQcQ, seqlen_q, head_dim, True, not spec.even_d)
+        if cutlass.const_expr(spec.mask is None):
             if n_block_min < n_block_max:
-                self.load_operand(ld, "mask", n_block_min, 0)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # the first mask tile is visible to every thread
-            active[0] = self.mask_tile_visible(ld, 0)
-            if n_block_min < n_block_max:
-                if active[0] != 0:
-                    self.load_kv_bias(ld, n_block_min, 0)
-                if n_block_min + 1 < n_block_max:
-                    self.load_operand(ld, "mask", n_block_min + 1, 1)
-        else:
-            if n_block_min < n_block_max:
-                self.load_kv_bias(ld, n_block_min, 0)
+                self.load_block(ld, n_block_min, 0)
         cute.arch.cp_async_commit_group()
 
         # ---- main loop over key blocks ----
         for n_block in cutlass.range(n_block_min, n_block_max, unroll=1):
-            it = n_block - n_block_min
-            stage = it % self.kv_stages
-            mstage = it % MASK_STAGES
-            cute.arch.cp_async_wait_group(0)
-            # K/V/bias of this block and the mask of the next have landed; every thread is done
-            # with the previous block, so its K/V/bias stage and mask stage may be refilled.
-            cute.arch.sync_threads()
-            next_active = cutlass.Int32(1)
-            has_next = n_block + 1 < n_block_max
+            j = (n_block - n_block_min) % SCAN_BLOCKS
             if cutlass.const_expr(spec.mask is not None):
-                next_active = cutlass.Int32(0)
-                if has_next:
-                    next_active = self.mask_tile_visible(ld, (it + 1) % MASK_STAGES)
-            if cutlass.const_expr(self.kv_stages == 2):
-                if has_next and next_active != 0:
-                    self.load_kv_bias(ld, n_block + 1, 1 - stage)
-            if cutlass.const_expr(spec.mask is not None):
-                if n_block + 2 < n_block_max:
-                    self.load_operand(ld, "mask", n_block + 2, (it + 2) % MASK_STAGES)
-            cute.arch.cp_async_commit_group()
-
-            if active[0] != 0:
-                self.compute_block(
-                    spec,
-                    ops,
-                    tiled_mma,
-                    softmax,
-                    acc_O,
-                    n_block,
-                    stage,
-                    mstage,
-                    m_block,
-                    tSrQ,
-                    tSrK,
-                    tOrVt,
-                    tSsQ,
-                    tSrQ_v,
-                    tSsK,
-                    tSrK_v,
-                    tOsVt,
-                    tOrVt_v,
-                    s2r_Q,
-                    s2r_K,
-                    s2r_V,
-                    tScS,
-                    thr_mma,
-                    bias_scale,
-                    softcap_scale,
-                    softcap,
-                    seqlen_q,
-                    seqlen_k,
-                    window_left,
-                    window_right,
-                )
-            if cutlass.const_expr(self.kv_stages == 1):
-                cute.arch.sync_threads()  # the single K/V/bias stage is no longer read
-                if has_next and next_active != 0:
-                    self.load_kv_bias(ld, n_block + 1, 0)
-                cute.arch.cp_async_commit_group()
-            active[0] = next_active
+                if j == 0:
+                    state[0] = masking.scan_visible_blocks(
+                        scan, n_block, n_block_max, seqlen_k, s_words, tidx, nthr // 32
+                    )
+                    first = masking.next_set_bit(state[0], -1)
+                    if first < SCAN_BLOCKS:
+                        self.load_block(ld, n_block + first, state[1])
+                    cute.arch.cp_async_commit_group()
+            if ((state[0] >> j) & 1) != 0:
+                stage = state[1]
+                # The next visible block: with a mask, the next set bit of this scan window (the
+                # window's last visible block has none; the next scan loads its successor).
+                step = cutlass.Int32(1)
+                if cutlass.const_expr(spec.mask is not None):
+                    step = masking.next_set_bit(state[0], j) - j
+                has_next = (j + step < SCAN_BLOCKS) & (n_block + step < n_block_max)
+                if cutlass.const_expr(spec.mask is None):
+                    has_next = n_block + 1 < n_block_max
+                cute.arch.cp_async_wait_group(0)
+                # This block's tiles have landed for every thread, and every thread is done with
+                # the previous block, whose stage the next load refills.
+                cute.arch.sync_threads()
+                if cutlass.const_expr(self.kv_stages == 2):
+                    if has_next:
+                        self.load_block(ld, n_block + step, 1 - stage)
+                    cute.arch.cp_async_commit_group()
+                    state[1] = 1 - stage
+                self.compute_block(ops, mm, limits, scores, softmax, acc_O, n_block, stage)
+                if cutlass.const_expr(self.kv_stages == 1):
+                    cute.arch.sync_threads()  # the single stage is no longer read
+                    if has_next:
+                        self.load_block(ld, n_block + step, 0)
+                    cute.arch.cp_async_commit_group()
 
         # ---- epilogue: normalize, LSE (rmem -> gmem), O (rmem -> smem -> gmem) ----
         lse = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
@@ -467,8 +477,9 @@ class FlashFwd:
             )
 
     @cute.jit
-    def load_kv_bias(self, ld, n_block, stage):
-        """K, V (and bias) tiles of key block n_block (gmem -> smem); rows checked on the tail."""
+    def load_block(self, ld, n_block, stage):
+        """K, V, mask and bias tiles of key block n_block (gmem -> smem); K/V rows are checked
+        on the tail block only."""
         even_d = self.spec.even_d
         for tXgX, tXsX in ((ld.tKgK, ld.tKsK), (ld.tVgV, ld.tVsV)):
             src = tXgX[None, None, None, n_block]
@@ -482,102 +493,64 @@ class FlashFwd:
                 tiles.copy_tile(
                     ld.copy_qkv, src, dst, coord, ld.seqlen_k, ld.head_dim, False, not even_d
                 )
-        if cutlass.const_expr(self.spec.bias is not None):
-            self.load_operand(ld, "bias", n_block, stage)
+        for name, op in (("mask", self.spec.mask), ("bias", self.spec.bias)):
+            if cutlass.const_expr(op is not None):
+                self.load_operand(ld, name, n_block, stage)
 
     @cute.jit
-    def mask_tile_visible(self, ld, mstage) -> cutlass.Int32:
-        """CTA-uniform: whether the mask tile in stage `mstage` has any True byte."""
-        o = ld.ops["mask"]
-        words = cute.make_tensor(
-            cute.recast_ptr(o.sX[None, None, mstage].iterator, dtype=cutlass.Int32),
-            cute.make_layout((o.rows, self.tile_n // 4), stride=(o.pitch // 4, 1)),
-        )
-        return masking.tile_has_visible(words, ld.tidx, self.num_threads)
-
-    @cute.jit
-    def compute_block(
-        self,
-        spec,
-        ops,
-        tiled_mma,
-        softmax,
-        acc_O,
-        n_block,
-        stage,
-        mstage,
-        m_block,
-        tSrQ,
-        tSrK,
-        tOrVt,
-        tSsQ,
-        tSrQ_v,
-        tSsK,
-        tSrK_v,
-        tOsVt,
-        tOrVt_v,
-        s2r_Q,
-        s2r_K,
-        s2r_V,
-        tScS,
-        thr_mma,
-        bias_scale,
-        softcap_scale,
-        softcap,
-        seqlen_q,
-        seqlen_k,
-        window_left,
-        window_right,
-    ):
-        """S = bias + Q K^T, masking, online softmax and O += P V for one key block."""
+    def compute_block(self, ops, mm, limits, scores, softmax, acc_O, n_block, stage):
+        """S = bias + Q K^T, masking, online softmax and O += P V for one key block whose
+        K/V/mask/bias tiles are in smem stage `stage`."""
+        spec = self.spec
         acc_S = cute.make_rmem_tensor(
-            thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32
+            mm.thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32
         )
         # Bias-first: S starts as bias / scale (smem -> rmem), so scale * S = scale*QK^T + bias
         # and no separate pass adds it. With softcap the bias is added after the cap instead.
         if cutlass.const_expr(spec.bias is not None and not spec.has_softcap):
             tSsB = ops["bias"].tSsX[None, None, None, stage]
-            acc_S.store(tSsB.load().to(cutlass.Float32) * bias_scale)
+            acc_S.store(tSsB.load().to(cutlass.Float32) * scores.bias_scale)
         else:
             acc_S.fill(0.0)
 
-        # S += Q K^T: ldmatrix of k-block k+1 overlaps the MMAs of k-block k
-        tSsK_s = tSsK[None, None, None, stage]
-        num_k = cute.size(tSsQ.shape[2])
-        cute.copy(s2r_Q, tSsQ[None, None, 0], tSrQ_v[None, None, 0])
-        cute.copy(s2r_K, tSsK_s[None, None, 0], tSrK_v[None, None, 0])
+        # S += Q K^T (smem -> rmem by ldmatrix; k-block k+1 is read while k is multiplied)
+        tSsK = mm.tSsK[None, None, None, stage]
+        num_k = cute.size(mm.tSsQ.shape[2])
+        cute.copy(mm.s2r_Q, mm.tSsQ[None, None, 0], mm.tSrQ_v[None, None, 0])
+        cute.copy(mm.s2r_K, tSsK[None, None, 0], mm.tSrK_v[None, None, 0])
         for k in cutlass.range_constexpr(num_k):
             if cutlass.const_expr(k + 1 < num_k):
-                cute.copy(s2r_Q, tSsQ[None, None, k + 1], tSrQ_v[None, None, k + 1])
-                cute.copy(s2r_K, tSsK_s[None, None, k + 1], tSrK_v[None, None, k + 1])
-            cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+                cute.copy(mm.s2r_Q, mm.tSsQ[None, None, k + 1], mm.tSrQ_v[None, None, k + 1])
+                cute.copy(mm.s2r_K, tSsK[None, None, k + 1], mm.tSrK_v[None, None, k + 1])
+            cute.gemm(mm.tiled_mma, acc_S, mm.tSrQ[None, None, k], mm.tSrK[None, None, k], acc_S)
 
         if cutlass.const_expr(spec.has_softcap):
-            capped = cute.math.tanh(acc_S.load() * softcap_scale, fastmath=True) * softcap
+            capped = cute.math.tanh(acc_S.load() * scores.softcap_scale, fastmath=True)
+            capped = capped * scores.softcap
             if cutlass.const_expr(spec.bias is not None):
                 tSsB = ops["bias"].tSsX[None, None, None, stage]
                 capped = capped + tSsB.load().to(cutlass.Float32)
             acc_S.store(capped)
         if cutlass.const_expr(spec.mask is not None):
-            masking.apply_mask(acc_S, ops["mask"].tSsX[None, None, None, mstage])
+            masking.apply_mask(acc_S, ops["mask"].tSsX[None, None, None, stage])
         if masking.block_needs_limits(
             n_block,
-            m_block,
-            seqlen_q,
-            seqlen_k,
-            window_left,
-            window_right,
+            limits.m_block,
+            limits.seqlen_q,
+            limits.seqlen_k,
+            limits.window_left,
+            limits.window_right,
             self.tile_m,
             self.tile_n,
             spec.has_window,
         ):
             masking.apply_limits(
                 acc_S,
-                tScS[None, None, None, n_block],
-                seqlen_q,
-                seqlen_k,
-                window_left,
-                window_right,
+                mm.tScS[None, None, None, n_block],
+                limits.seqlen_q,
+                limits.seqlen_k,
+                limits.window_left,
+                limits.window_right,
                 spec.has_window,
             )
 
@@ -587,10 +560,10 @@ class FlashFwd:
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         tOrP = cute.make_tensor(rP.iterator, acc_as_a_operand(rP.layout))
-        tOsVt_s = tOsVt[None, None, None, stage]
+        tOsVt = mm.tOsVt[None, None, None, stage]
         num_kv = cute.size(tOrP.shape[2])
-        cute.copy(s2r_V, tOsVt_s[None, None, 0], tOrVt_v[None, None, 0])
+        cute.copy(mm.s2r_V, tOsVt[None, None, 0], mm.tOrVt_v[None, None, 0])
         for k in cutlass.range_constexpr(num_kv):
             if cutlass.const_expr(k + 1 < num_kv):
-                cute.copy(s2r_V, tOsVt_s[None, None, k + 1], tOrVt_v[None, None, k + 1])
-            cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+                cute.copy(mm.s2r_V, tOsVt[None, None, k + 1], mm.tOrVt_v[None, None, k + 1])
+            cute.gemm(mm.tiled_mma, acc_O, tOrP[None, None, k], mm.tOrVt[None, None, k], acc_O)

@@ -1,4 +1,5 @@
-"""Which key blocks a query block visits, per-element limits, and the CTA-wide tile vote.
+"""Which key blocks a query block visits: causal/window ranges, per-element limits, and the
+bitmap of key blocks whose mask tile has a True byte (all-False tiles are skipped).
 
 Causal is the window (left=inf, right=0), bottom-right aligned: query row i sees key j when
 i + Sk - Sq - left <= j <= i + Sk - Sq + right. The host passes unbounded sides as a large
@@ -9,31 +10,13 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import cute
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
+from . import tiles
 from .utils import acc_mn_view
 
-
-@dsl_user_op
-def cta_any(pred: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
-    """1 in every thread if `pred` is non-zero in any thread of the CTA, else 0.
-
-    One `bar.red.or.pred`: the barrier and the reduction in a single instruction. It is also a
-    full CTA barrier (barrier 0, all threads), which callers rely on.
-    """
-    return cutlass.Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [cutlass.Int32(pred).ir_value(loc=loc, ip=ip)],
-            "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 q, $1, 0;\n\t"
-            "bar.red.or.pred p, 0, q;\n\tselp.u32 $0, 1, 0, p;\n\t}",
-            "=r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+# Key blocks per mask scan: one 32-bit word per scan, leaving the sign bit unused so that
+# shifts stay logical.
+SCAN_BLOCKS = 31
 
 
 @cute.jit
@@ -118,22 +101,55 @@ def apply_mask(acc_s: cute.Tensor, t_mask: cute.Tensor):
 
 
 @cute.jit
-def tile_has_visible(
-    s_words: cute.Tensor, tidx: cutlass.Int32, num_threads: cutlass.Constexpr
+def scan_visible_blocks(
+    scan,
+    n_first: cutlass.Int32,
+    n_end: cutlass.Int32,
+    seqlen_k: cutlass.Int32,
+    s_words: cute.Tensor,
+    tidx: cutlass.Int32,
+    num_warps: cutlass.Constexpr,
 ) -> cutlass.Int32:
-    """CTA-uniform: 1 if any byte of a mask tile is non-zero.
+    """CTA-uniform bitmap of the next SCAN_BLOCKS key blocks: bit j is set when block n_first + j
+    (< n_end) has a True mask byte in this CTA's query rows.
 
-    s_words: (rows, words per row) Int32 view of the tile's valid columns; every thread ORs a
-    strided share of the words, then one barrier-reduction combines the CTA.
+    Each thread ORs its share of every tile (gmem -> rmem, the same partition the smem loads
+    use), the warps combine by shuffles, then the CTA through one shared word per warp.
+    scan: namespace with copy, tXgX, tXcX, frag, row_end, used (see FlashFwd.kernel).
     """
-    rows, cols = cute.size(s_words.shape[0]), cute.size(s_words.shape[1])
-    total = rows * cols
-    acc = cutlass.Int32(0)
-    for i in cutlass.range_constexpr(cute.ceil_div(total, num_threads)):
-        w = tidx + i * num_threads
-        if cutlass.const_expr(total % num_threads == 0):
-            acc = acc | s_words[w // cols, w % cols]
-        else:
-            if w < total:
-                acc = acc | s_words[w // cols, w % cols]
-    return cta_any(acc)
+    bits = cutlass.Int32(0)
+    for j in cutlass.range(SCAN_BLOCKS, unroll=4):
+        n_block = n_first + j
+        if n_block < n_end and tidx < scan.used:
+            tiles.copy_tile(
+                scan.copy,
+                scan.tXgX[None, None, None, n_block],
+                scan.frag,
+                scan.tXcX[None, None, None, n_block],
+                scan.row_end,
+                seqlen_k,
+                True,
+                True,
+            )
+            seen = scan.frag.load().to(cutlass.Int32).reduce(cute.ReductionOp.ADD, 0, 0)
+            if seen != 0:
+                bits = bits | (cutlass.Int32(1) << j)
+    for i in cutlass.range_constexpr(5):
+        bits = bits | cute.arch.shuffle_sync_bfly(bits, offset=16 >> i)
+    if tidx % 32 == 0:
+        s_words[tidx // 32] = bits
+    cute.arch.sync_threads()  # every warp's word is in shared memory
+    word = cutlass.Int32(0)
+    for w in cutlass.range_constexpr(num_warps):
+        word = word | s_words[w]
+    cute.arch.sync_threads()  # every thread has read the words before the next scan rewrites them
+    return word
+
+
+@cute.jit
+def next_set_bit(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Int32:
+    """Index of the lowest set bit of `word` above bit j (j in [-1, SCAN_BLOCKS - 1]), or
+    SCAN_BLOCKS if there is none."""
+    above = word >> (j + 1)
+    lowest = above & (-above)
+    return SCAN_BLOCKS if above == 0 else j + 1 + cutlass.Int32(cute.arch.popc(lowest - 1))

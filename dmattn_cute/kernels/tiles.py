@@ -35,14 +35,17 @@ def qkv_copy(dtype, head_dim_padded: int, num_threads: int, store: bool = False)
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec)))
 
 
-def operand_copy(dtype, rows: int, tile_n: int, vec: int, num_threads: int):
+def operand_copy(
+    dtype, rows: int, tile_n: int, vec: int, num_threads: int, to_registers: bool = False
+):
     """Copy of a (rows, tile_n) mask or bias tile in `vec`-element vectors.
 
-    cp.async moves 4, 8 or 16 bytes; narrower vectors (rows whose stride or length allows no
-    wider aligned access) use plain loads and stores. Returns (tiled copy, threads used).
+    cp.async moves 4, 8 or 16 bytes to shared memory; narrower vectors (rows whose stride or
+    length allows no wider aligned access) and copies into registers use plain loads.
+    Returns (tiled copy, threads used).
     """
     bits = vec * dtype.width
-    if bits >= 32:
+    if bits >= 32 and not to_registers:
         op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS)
     else:
         op = cute.nvgpu.CopyUniversalOp()
