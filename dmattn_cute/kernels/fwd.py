@@ -359,7 +359,8 @@ class FlashFwd:
 
         # With a mask, key blocks are visited through a bitmap of the blocks whose mask tile has a
         # True byte, scanned SCAN_BLOCKS at a time (gmem -> rmem, before any K/V/bias load):
-        # all-False tiles cost neither loads nor GEMMs nor barriers.
+        # all-False tiles cost neither loads nor GEMMs nor barriers, and all-True tiles skip the
+        # mask's smem load and per-element masking.
         scan = None
         s_words = None
         if cutlass.const_expr(spec.mask is not None):
@@ -376,18 +377,23 @@ class FlashFwd:
                 tXgX=op.tXgX,
                 tXcX=op.tXcX,
                 frag=cute.make_rmem_tensor_like(op.tXgX[None, None, None, 0]),
+                vec_bytes=spec.mask.vec,
             )
-            s_words = smem.allocate_tensor(cutlass.Int32, cute.make_layout(nthr // 32), 4)
-        # state: [0] visible-block bits of the current scan window, [1] K/V stage of the next load
-        state = cute.make_rmem_tensor(2, cutlass.Int32)
+            s_words = smem.allocate_tensor(
+                cutlass.Int32, cute.make_layout((2, nthr // 32), stride=(nthr // 32, 1)), 4
+            )
+        # state: bits of the current scan window's [0] visible and [2] all-True blocks,
+        # [1] the stage the next load fills
+        state = cute.make_rmem_tensor(3, cutlass.Int32)
         state[0] = -1
         state[1] = 0
+        state[2] = 0
 
         # ---- prologue: Q (gmem -> smem) ----
         tiles.copy_tile(copy_qkv, tQgQ, tQsQ, tQcQ, seqlen_q, head_dim, True, not spec.even_d)
         if cutlass.const_expr(spec.mask is None):
             if n_block_min < n_block_max:
-                self.load_block(ld, n_block_min, 0)
+                self.load_block(ld, n_block_min, 0, 0)
         cute.arch.cp_async_commit_group()
 
         # ---- main loop over key blocks ----
@@ -395,12 +401,14 @@ class FlashFwd:
             j = (n_block - n_block_min) % SCAN_BLOCKS
             if cutlass.const_expr(spec.mask is not None):
                 if j == 0:
-                    state[0] = masking.scan_visible_blocks(
+                    visible, full = masking.scan_mask_blocks(
                         scan, n_block, n_block_max, seqlen_k, s_words, tidx, nthr // 32
                     )
-                    first = masking.next_set_bit(state[0], -1)
+                    state[0] = visible
+                    state[2] = full
+                    first = masking.next_set_bit(visible, -1)
                     if first < SCAN_BLOCKS:
-                        self.load_block(ld, n_block + first, state[1])
+                        self.load_block(ld, n_block + first, state[1], (full >> first) & 1)
                     cute.arch.cp_async_commit_group()
             if ((state[0] >> j) & 1) != 0:
                 stage = state[1]
@@ -418,14 +426,15 @@ class FlashFwd:
                 cute.arch.sync_threads()
                 if cutlass.const_expr(self.kv_stages == 2):
                     if has_next:
-                        self.load_block(ld, n_block + step, 1 - stage)
+                        self.load_block(ld, n_block + step, 1 - stage, (state[2] >> (j + step)) & 1)
                     cute.arch.cp_async_commit_group()
                     state[1] = 1 - stage
-                self.compute_block(ops, mm, limits, scores, softmax, acc_O, n_block, stage)
+                full = (state[2] >> j) & 1
+                self.compute_block(ops, mm, limits, scores, softmax, acc_O, n_block, stage, full)
                 if cutlass.const_expr(self.kv_stages == 1):
                     cute.arch.sync_threads()  # the single stage is no longer read
                     if has_next:
-                        self.load_block(ld, n_block + step, 0)
+                        self.load_block(ld, n_block + step, 0, (state[2] >> (j + step)) & 1)
                     cute.arch.cp_async_commit_group()
 
         # ---- epilogue: normalize, LSE (rmem -> gmem), O (rmem -> smem -> gmem) ----
@@ -477,9 +486,9 @@ class FlashFwd:
             )
 
     @cute.jit
-    def load_block(self, ld, n_block, stage):
+    def load_block(self, ld, n_block, stage, mask_full):
         """K, V, mask and bias tiles of key block n_block (gmem -> smem); K/V rows are checked
-        on the tail block only."""
+        on the tail block only; an all-True mask tile (mask_full != 0) is not loaded."""
         even_d = self.spec.even_d
         for tXgX, tXsX in ((ld.tKgK, ld.tKsK), (ld.tVgV, ld.tVsV)):
             src = tXgX[None, None, None, n_block]
@@ -493,14 +502,16 @@ class FlashFwd:
                 tiles.copy_tile(
                     ld.copy_qkv, src, dst, coord, ld.seqlen_k, ld.head_dim, False, not even_d
                 )
-        for name, op in (("mask", self.spec.mask), ("bias", self.spec.bias)):
-            if cutlass.const_expr(op is not None):
-                self.load_operand(ld, name, n_block, stage)
+        if cutlass.const_expr(self.spec.mask is not None):
+            if mask_full == 0:
+                self.load_operand(ld, "mask", n_block, stage)
+        if cutlass.const_expr(self.spec.bias is not None):
+            self.load_operand(ld, "bias", n_block, stage)
 
     @cute.jit
-    def compute_block(self, ops, mm, limits, scores, softmax, acc_O, n_block, stage):
+    def compute_block(self, ops, mm, limits, scores, softmax, acc_O, n_block, stage, mask_full):
         """S = bias + Q K^T, masking, online softmax and O += P V for one key block whose
-        K/V/mask/bias tiles are in smem stage `stage`."""
+        K/V/mask/bias tiles are in smem stage `stage` (no mask tile when mask_full != 0)."""
         spec = self.spec
         acc_S = cute.make_rmem_tensor(
             mm.thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32
@@ -532,7 +543,8 @@ class FlashFwd:
                 capped = capped + tSsB.load().to(cutlass.Float32)
             acc_S.store(capped)
         if cutlass.const_expr(spec.mask is not None):
-            masking.apply_mask(acc_S, ops["mask"].tSsX[None, None, None, stage])
+            if mask_full == 0:
+                masking.apply_mask(acc_S, ops["mask"].tSsX[None, None, None, stage])
         if masking.block_needs_limits(
             n_block,
             limits.m_block,

@@ -101,7 +101,23 @@ def apply_mask(acc_s: cute.Tensor, t_mask: cute.Tensor):
 
 
 @cute.jit
-def scan_visible_blocks(
+def tile_any_all(frag: cute.Tensor, vec_bytes: cutlass.Constexpr):
+    """(any byte set, every byte set) of this thread's share of a mask tile (bytes are 0/1)."""
+    if cutlass.const_expr(vec_bytes >= 4):
+        words = cute.recast_tensor(frag, cutlass.Int32)
+        acc_or = cutlass.Int32(0)
+        acc_and = cutlass.Int32(-1)
+        for i in cutlass.range_constexpr(cute.size(words)):
+            acc_or = acc_or | words[i]
+            acc_and = acc_and & words[i]
+        return acc_or != 0, acc_and == 0x01010101
+    else:
+        total = frag.load().to(cutlass.Int32).reduce(cute.ReductionOp.ADD, 0, 0)
+        return total != 0, total == cute.size(frag)
+
+
+@cute.jit
+def scan_mask_blocks(
     scan,
     n_first: cutlass.Int32,
     n_end: cutlass.Int32,
@@ -109,15 +125,18 @@ def scan_visible_blocks(
     s_words: cute.Tensor,
     tidx: cutlass.Int32,
     num_warps: cutlass.Constexpr,
-) -> cutlass.Int32:
-    """CTA-uniform bitmap of the next SCAN_BLOCKS key blocks: bit j is set when block n_first + j
-    (< n_end) has a True mask byte in this CTA's query rows.
+):
+    """CTA-uniform bitmaps of the next SCAN_BLOCKS key blocks (n_first + j < n_end):
+    `visible` bit j when the block's mask tile has a True byte in this CTA's query rows, `full`
+    bit j when every byte of the tile is True (no per-element masking needed; bytes past Sq/Sk
+    read as False, so tail tiles are never full).
 
-    Each thread ORs its share of every tile (gmem -> rmem, the same partition the smem loads
-    use), the warps combine by shuffles, then the CTA through one shared word per warp.
-    scan: namespace with copy, tXgX, tXcX, frag, row_end, used (see FlashFwd.kernel).
+    Each thread reads its share of every tile (gmem -> rmem, the same partition the smem loads
+    use); warps combine by shuffles, then the CTA through two shared words per warp.
+    scan: namespace with copy, tXgX, tXcX, frag, row_end, used, vec_bytes (FlashFwd.kernel).
     """
-    bits = cutlass.Int32(0)
+    visible = cutlass.Int32(0)
+    full = cutlass.Int32((1 << SCAN_BLOCKS) - 1)  # threads holding no share do not veto
     for j in cutlass.range(SCAN_BLOCKS, unroll=4):
         n_block = n_first + j
         if n_block < n_end and tidx < scan.used:
@@ -131,19 +150,23 @@ def scan_visible_blocks(
                 True,
                 True,
             )
-            seen = scan.frag.load().to(cutlass.Int32).reduce(cute.ReductionOp.ADD, 0, 0)
-            if seen != 0:
-                bits = bits | (cutlass.Int32(1) << j)
+            seen, every = tile_any_all(scan.frag, scan.vec_bytes)
+            if seen:
+                visible = visible | (cutlass.Int32(1) << j)
+            if not every:
+                full = full & ~(cutlass.Int32(1) << j)
     for i in cutlass.range_constexpr(5):
-        bits = bits | cute.arch.shuffle_sync_bfly(bits, offset=16 >> i)
+        visible = visible | cute.arch.shuffle_sync_bfly(visible, offset=16 >> i)
+        full = full & cute.arch.shuffle_sync_bfly(full, offset=16 >> i)
     if tidx % 32 == 0:
-        s_words[tidx // 32] = bits
-    cute.arch.sync_threads()  # every warp's word is in shared memory
-    word = cutlass.Int32(0)
+        s_words[0, tidx // 32] = visible
+        s_words[1, tidx // 32] = full
+    cute.arch.sync_threads()  # every warp's words are in shared memory
     for w in cutlass.range_constexpr(num_warps):
-        word = word | s_words[w]
+        visible = visible | s_words[0, w]
+        full = full & s_words[1, w]
     cute.arch.sync_threads()  # every thread has read the words before the next scan rewrites them
-    return word
+    return visible, full & visible
 
 
 @cute.jit
