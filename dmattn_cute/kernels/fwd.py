@@ -377,7 +377,6 @@ class FlashFwd:
                 tXgX=op.tXgX,
                 tXcX=op.tXcX,
                 frag=cute.make_rmem_tensor_like(op.tXgX[None, None, None, 0]),
-                vec_bytes=spec.mask.vec,
             )
             s_words = smem.allocate_tensor(
                 cutlass.Int32, cute.make_layout((2, nthr // 32), stride=(nthr // 32, 1)), 4
