@@ -175,23 +175,28 @@ class FlashFwd:
             copy_o,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
-    def _operand_tiles(self, op: OperandSpec, mX: cute.Tensor, b, hx, m_block, seqlen_q, seqlen_k):
-        """gmem tiles (rows, N, n_blocks) of a mask/bias slice and their (row, col) coordinates.
+    def _operand_tiles(
+        self, op: OperandSpec, mX: cute.Tensor, b, hx, m_block, seqlen_q, seqlen_k, pack=1
+    ):
+        """gmem tiles (rows, N / pack, n_blocks) of a mask/bias slice and their (row, col)
+        coordinates; pack > 1 reads `pack` elements as one 32-bit word (the mask scan).
 
         The slice is re-viewed with the problem's logical extents (Sq or 1, Sk): broadcast dims
         keep stride 0 and read in place.
         """
         rows = 1 if op.row_broadcast else self.tile_m
         q_extent = 1 if op.row_broadcast else seqlen_q
+        ptr = mX[b, hx, None, None].iterator
+        if cutlass.const_expr(pack > 1):
+            ptr = cute.recast_ptr(ptr, dtype=cutlass.Int32)
+        cols = seqlen_k // pack
         view = cute.make_tensor(
-            mX[b, hx, None, None].iterator,
-            cute.make_layout((q_extent, seqlen_k), stride=(mX.stride[2], mX.stride[3])),
+            ptr, cute.make_layout((q_extent, cols), stride=(mX.stride[2] // pack, mX.stride[3]))
         )
         m_coord = 0 if op.row_broadcast else m_block
-        gX = cute.local_tile(view, (rows, self.tile_n), (m_coord, None))
-        cX = cute.local_tile(
-            cute.make_identity_tensor((q_extent, seqlen_k)), (rows, self.tile_n), (m_coord, None)
-        )
+        tile = (rows, self.tile_n // pack)
+        gX = cute.local_tile(view, tile, (m_coord, None))
+        cX = cute.local_tile(cute.make_identity_tensor((q_extent, cols)), tile, (m_coord, None))
         return gX, cX, q_extent
 
     @cute.kernel
@@ -366,17 +371,26 @@ class FlashFwd:
         if cutlass.const_expr(spec.mask is not None):
             op = ops["mask"]
             rows = 1 if spec.mask.row_broadcast else tm
-            scan_copy, _ = tiles.operand_copy(
-                cutlass.Uint8, rows, tn, spec.mask.vec, nthr, to_registers=True
+            # Rows that allow 4-byte loads are scanned as 32-bit words: 4 mask bytes per OR/AND.
+            pack = 4 if spec.mask.vec >= 4 else 1
+            gM, cM, _ = self._operand_tiles(
+                spec.mask, mMask, b, h // mask_head_div, m_block, seqlen_q, seqlen_k, pack
             )
-            # Same thread/value layout as the smem copy, so its gmem partitions serve as they are.
+            scan_dtype = cutlass.Int32 if pack == 4 else cutlass.Uint8
+            scan_copy, _ = tiles.operand_copy(
+                scan_dtype, rows, tn // pack, spec.mask.vec // pack, nthr, to_registers=True
+            )
+            thr_scan = scan_copy.get_slice(tidx % op.used)
+            tMgM = thr_scan.partition_S(gM)
             scan = SimpleNamespace(
                 copy=scan_copy,
                 used=op.used,
                 row_end=op.row_end,
-                tXgX=op.tXgX,
-                tXcX=op.tXcX,
-                frag=cute.make_rmem_tensor_like(op.tXgX[None, None, None, 0]),
+                col_end=seqlen_k // pack,
+                tXgX=tMgM,
+                tXcX=thr_scan.partition_S(cM),
+                frag=cute.make_rmem_tensor_like(tMgM[None, None, None, 0]),
+                words=pack == 4,
             )
             s_words = smem.allocate_tensor(
                 cutlass.Int32, cute.make_layout((2, nthr // 32), stride=(nthr // 32, 1)), 4
@@ -401,7 +415,7 @@ class FlashFwd:
             if cutlass.const_expr(spec.mask is not None):
                 if j == 0:
                     visible, full = masking.scan_mask_blocks(
-                        scan, n_block, n_block_max, seqlen_k, s_words, tidx, nthr // 32
+                        scan, n_block, n_block_max, s_words, tidx, nthr // 32
                     )
                     state[0] = visible
                     state[2] = full

@@ -101,14 +101,19 @@ def apply_mask(acc_s: cute.Tensor, t_mask: cute.Tensor):
 
 
 @cute.jit
-def tile_any_all(frag: cute.Tensor):
-    """(any byte set, every byte set) of this thread's share of a mask tile (bytes are 0/1).
-
-    A sum of the bytes in registers: reinterpreting the fragment as 32-bit words and OR/AND-ing
-    them measured slower on an H200 (sparse masks took ~1.5x as long).
-    """
-    total = frag.load().to(cutlass.Int32).reduce(cute.ReductionOp.ADD, 0, 0)
-    return total != 0, total == cute.size(frag)
+def tile_any_all(frag: cute.Tensor, words: cutlass.Constexpr):
+    """(any byte set, every byte set) of this thread's share of a mask tile (bytes are 0/1),
+    held as 32-bit words of 4 mask bytes (words=True) or as single bytes."""
+    if cutlass.const_expr(words):
+        acc_or = cutlass.Int32(0)
+        acc_and = cutlass.Int32(-1)
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            acc_or = acc_or | frag[i]
+            acc_and = acc_and & frag[i]
+        return acc_or != 0, acc_and == 0x01010101
+    else:
+        total = frag.load().to(cutlass.Int32).reduce(cute.ReductionOp.ADD, 0, 0)
+        return total != 0, total == cute.size(frag)
 
 
 @cute.jit
@@ -116,7 +121,6 @@ def scan_mask_blocks(
     scan,
     n_first: cutlass.Int32,
     n_end: cutlass.Int32,
-    seqlen_k: cutlass.Int32,
     s_words: cute.Tensor,
     tidx: cutlass.Int32,
     num_warps: cutlass.Constexpr,
@@ -128,7 +132,8 @@ def scan_mask_blocks(
 
     Each thread reads its share of every tile (gmem -> rmem, the same partition the smem loads
     use); warps combine by shuffles, then the CTA through two shared words per warp.
-    scan: namespace with copy, tXgX, tXcX, frag, row_end, used (see FlashFwd.kernel).
+    scan: namespace with copy, tXgX, tXcX, frag, row_end, col_end, used, words (see
+    FlashFwd.kernel).
     """
     visible = cutlass.Int32(0)
     full = cutlass.Int32((1 << SCAN_BLOCKS) - 1)  # threads holding no share do not veto
@@ -141,11 +146,11 @@ def scan_mask_blocks(
                 scan.frag,
                 scan.tXcX[None, None, None, n_block],
                 scan.row_end,
-                seqlen_k,
+                scan.col_end,
                 True,
                 True,
             )
-            seen, every = tile_any_all(scan.frag)
+            seen, every = tile_any_all(scan.frag, scan.words)
             if seen:
                 visible = visible | (cutlass.Int32(1) << j)
             if not every:
