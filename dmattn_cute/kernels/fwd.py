@@ -3,9 +3,11 @@
 One CTA per (query block, head, batch). Q is loaded once; the CTA walks the key blocks its
 causal/window range allows. Per key block: S starts from the bias tile (not from zero), gets
 Q K^T added by the tensor cores, is masked, goes through the online softmax and P V is added
-to the output accumulator. A key block whose mask tile is all False is skipped by the whole
-CTA (no K/V/bias loads, no GEMMs): the mask runs one block ahead of K/V/bias in the cp.async
-pipeline, so the decision is made before those loads would be issued.
+to the output accumulator. With a mask, the CTA first scans the mask tiles of the next
+SCAN_BLOCKS key blocks (gmem -> registers) into two CTA-uniform bitmaps: a block whose tile is
+all False is skipped by the whole CTA (no K/V/bias loads, no GEMMs, no barriers), and a block
+whose tile is all True needs no mask tile in smem and no per-element masking. K, V, mask and
+bias tiles of the next visible block are loaded by cp.async while the current one is computed.
 """
 
 from __future__ import annotations
