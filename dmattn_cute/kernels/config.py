@@ -1,8 +1,8 @@
 """Per-architecture tile table of the forward kernel and its shared-memory budget.
 
 The forward keeps Q (one tile) and K, V, mask and bias (`kv_stages` tiles each) in shared
-memory. Tiles are chosen to let two CTAs share an SM where some candidate allows it (one CTA's
-loads and barriers then overlap the other's math), else the first candidate that fits.
+memory. The first candidate that keeps 8 warps resident per SM is chosen (e.g. two 4-warp
+CTAs: one CTA's loads and barriers overlap the other's math), else the first that fits.
 """
 
 from __future__ import annotations
