@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dmattn_cute.kernels.bwd_launch import flash_bwd
 from dmattn_cute.kernels.fwd_launch import flash_fwd
 from dmattn_cute.problem import Problem, check_bool, make_problem
 from dmattn_cute.reference import attention_ref
@@ -21,10 +22,6 @@ def _cuda_forward(
     return flash_fwd(problem, query, key, value, mask, bias)
 
 
-def _cuda_backward(
-    problem: Problem, *saved: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    raise NotImplementedError("flash_dmattn_func on CUDA: the backward kernel is not built yet")
 
 
 class _FlashDMAttnFunction(torch.autograd.Function):
@@ -50,7 +47,11 @@ class _FlashDMAttnFunction(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, dout: Tensor, dlse: Tensor | None
     ) -> tuple[Tensor | None, ...]:
-        dq, dk, dv, dbias = _cuda_backward(ctx.problem, dout, *ctx.saved_tensors)
+        query, key, value, mask, bias, out, lse = ctx.saved_tensors
+        bias_grad = bias is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dbias = flash_bwd(
+            ctx.problem, dout, query, key, value, mask, bias, out, lse, bias_grad
+        )
         # The mask and the problem get no gradient.
         return dq, dk, dv, None, dbias, None
 

@@ -132,3 +132,100 @@ def fwd_tile(
         f"forward tile: head_dim {head_dim_padded} with mask={mask} bias={bias} needs "
         f"{need} bytes of shared memory, {arch} has {smem_capacity(arch)}"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    """Compile-time tiling of one backward CTA: tile_m query rows per step, tile_n keys owned,
+    `stages` smem buffers for Q, dO, mask and bias (2 overlaps the next step's loads)."""
+
+    tile_m: int
+    tile_n: int
+    num_warps: int
+    stages: int
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+
+def _round_up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+# The swizzled P/dS stages sit at 1 KiB multiples so the swizzle pattern repeats per stage.
+_STAGE_ALIGN = 1024
+
+
+def bwd_region_bytes(tile: BwdTile, elem_bytes: int, operand: SmemOperand | None) -> int:
+    """One stage of the buffer shared by P (or dS) and the mask (or bias) tile it replaces."""
+    size = tile.tile_m * tile.tile_n * elem_bytes
+    if operand is not None:
+        rows = 1 if operand.row_broadcast else tile.tile_m
+        size = max(size, rows * tile_row_elems(tile.tile_n, operand.elem_bytes) * operand.elem_bytes)
+    return _round_up(size, _STAGE_ALIGN)
+
+
+def bwd_smem_bytes(
+    tile: BwdTile,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None,
+    bias: SmemOperand | None,
+) -> int:
+    """Shared memory of one backward CTA, in bytes: K, V (one tile each), Q, dO (per stage),
+    P over the mask and dS over the bias (per stage), dbias column sums and scan words."""
+    total = 2 * tile.tile_n * head_dim_padded * elem_bytes
+    total += 2 * tile.stages * tile.tile_m * head_dim_padded * elem_bytes
+    total += tile.stages * bwd_region_bytes(tile, elem_bytes, mask)
+    total += tile.stages * bwd_region_bytes(tile, elem_bytes, bias)
+    total += tile.num_warps * tile.tile_n * 4  # per-warp dbias column sums
+    return total + 1024  # scan words and alignment slack
+
+
+_BWD_CANDIDATES: dict[int, tuple[BwdTile, ...]] = {
+    64: (BwdTile(64, 128, 8, 2), BwdTile(64, 128, 8, 1), BwdTile(64, 64, 4, 1)),
+    128: (
+        BwdTile(64, 128, 8, 2),
+        BwdTile(64, 128, 8, 1),
+        BwdTile(64, 64, 4, 2),
+        BwdTile(64, 64, 4, 1),
+    ),
+    256: (BwdTile(64, 64, 8, 2), BwdTile(64, 64, 8, 1), BwdTile(64, 32, 4, 1)),
+}
+
+
+def bwd_tile(
+    arch: str,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None,
+    bias: SmemOperand | None,
+) -> BwdTile:
+    """The first backward candidate that fits `arch`'s shared memory (ValueError if none)."""
+    bucket = min(size for size in _BWD_CANDIDATES if head_dim_padded <= size)
+    for tile in _BWD_CANDIDATES[bucket]:
+        need = bwd_smem_bytes(tile, head_dim_padded, elem_bytes, mask, bias)
+        if ctas_per_sm(arch, need) >= 1:
+            return tile
+    need = bwd_smem_bytes(_BWD_CANDIDATES[bucket][-1], head_dim_padded, elem_bytes, mask, bias)
+    raise ValueError(
+        f"backward tile: head_dim {head_dim_padded} with mask={mask} bias={bias} needs "
+        f"{need} bytes of shared memory, {arch} has {smem_capacity(arch)}"
+    )
+
+
+def warp_grid(rows: int, cols: int, num_warps: int, prefer: int) -> tuple[int, int]:
+    """(warps along rows, warps along cols) for an mma.sync tile of (rows, cols): each warp
+    covers 16-row by 16-column atoms, so both must divide; `prefer` rows-warps when possible."""
+    options = [prefer] + [w for w in (1, 2, 4, 8) if w != prefer]
+    for wm in options:
+        wn = num_warps // wm
+        if wm * wn == num_warps and rows % (wm * 16) == 0 and cols % (wn * 16) == 0:
+            return wm, wn
+    raise ValueError(f"no warp grid of {num_warps} warps tiles ({rows}, {cols})")

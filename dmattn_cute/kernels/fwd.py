@@ -40,6 +40,7 @@ DTYPES = {
     "fp16": cutlass.Float16,
     "fp32": cutlass.Float32,
     "u8": cutlass.Uint8,
+    "i32": cutlass.Int32,
 }
 LOG2E = math.log2(math.e)
 
@@ -393,6 +394,7 @@ class FlashFwd:
                 tXcX=thr_scan.partition_S(cM),
                 frag=cute.make_rmem_tensor_like(tMgM[None, None, None, 0]),
                 words=pack == 4,
+                same_tile=False,
             )
             s_words = smem.allocate_tensor(
                 cutlass.Int32, cute.make_layout((2, nthr // 32), stride=(nthr // 32, 1)), 4

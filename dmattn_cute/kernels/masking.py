@@ -44,6 +44,42 @@ def key_block_range(
 
 
 @cute.jit
+def query_block_range(
+    n_block: cutlass.Int32,
+    seqlen_q: cutlass.Int32,
+    seqlen_k: cutlass.Int32,
+    window_left: cutlass.Int32,
+    window_right: cutlass.Int32,
+    tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr,
+    has_window: cutlass.Constexpr,
+):
+    """[m_block_min, m_block_max) of the query blocks that can see a key of block `n_block`
+    (the backward's view of key_block_range)."""
+    m_block_min = cutlass.Int32(0)
+    m_block_max = cute.ceil_div(seqlen_q, tile_m)
+    if cutlass.const_expr(has_window):
+        diag = seqlen_k - seqlen_q
+        # row i sees key j when i + diag - left <= j <= i + diag + right
+        row_lo = n_block * tile_n - diag - window_right
+        row_hi = (n_block + 1) * tile_n - 1 - diag + window_left
+        m_block_min = cutlass.max(row_lo, 0) // tile_m
+        m_block_max = cutlass.min(m_block_max, cute.ceil_div(cutlass.max(row_hi + 1, 0), tile_m))
+    return m_block_min, m_block_max
+
+
+@cute.jit
+def range_bits(first: cutlass.Int32, lo: cutlass.Int32, hi: cutlass.Int32) -> cutlass.Int32:
+    """Bit j set for the SCAN_BLOCKS blocks first + j that lie in [lo, hi)."""
+    begin = cutlass.max(lo - first, 0)
+    end = cutlass.min(hi - first, SCAN_BLOCKS)
+    bits = cutlass.Int32(0)
+    if end > begin:
+        bits = ((cutlass.Int32(1) << end) - 1) & ~((cutlass.Int32(1) << begin) - 1)
+    return bits
+
+
+@cute.jit
 def block_needs_limits(
     n_block: cutlass.Int32,
     m_block: cutlass.Int32,
@@ -132,19 +168,21 @@ def scan_mask_blocks(
 
     Each thread reads its share of every tile (gmem -> rmem, the same partition the smem loads
     use); warps combine by shuffles, then the CTA through two shared words per warp.
-    scan: namespace with copy, tXgX, tXcX, frag, row_end, col_end, used, words (see
+    scan: namespace with copy, tXgX, tXcX, frag, row_end, col_end, used, words, same_tile (see
     FlashFwd.kernel).
     """
     visible = cutlass.Int32(0)
     full = cutlass.Int32((1 << SCAN_BLOCKS) - 1)  # threads holding no share do not veto
     for j in cutlass.range(SCAN_BLOCKS, unroll=4):
         n_block = n_first + j
+        # A query-broadcast mask (backward) has one tile for every query block.
+        tile = 0 if cutlass.const_expr(scan.same_tile) else n_block
         if n_block < n_end and tidx < scan.used:
             tiles.copy_tile(
                 scan.copy,
-                scan.tXgX[None, None, None, n_block],
+                scan.tXgX[None, None, None, tile],
                 scan.frag,
-                scan.tXcX[None, None, None, n_block],
+                scan.tXcX[None, None, None, tile],
                 scan.row_end,
                 scan.col_end,
                 True,

@@ -89,3 +89,26 @@ def copy_tile(
                     cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
                 else:
                     dst[None, m, k].fill(0)
+
+
+def staged_swizzled_layout(rows: int, cols: int, stages: int, stage_stride: int):
+    """(rows, cols, stages) 16-bit tiles in the swizzled 8-row atoms of qkv_smem_atom, stage s
+    at s * stage_stride elements (a multiple of the swizzle period, so every stage swizzles
+    alike). Used for P and dS, whose stages share their buffers with the mask and bias tiles."""
+    width = 64 if cols % 64 == 0 else 32
+    bits = 3 if width == 64 else 2
+    inner = cute.make_layout(
+        ((8, rows // 8), (width, cols // width), stages),
+        stride=((width, 8 * width), (1, rows * width), stage_stride),
+    )
+    return cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0, inner)
+
+
+def transposed(t: cute.Tensor, rows: int, cols: int, stages: int = 0) -> cute.Tensor:
+    """The (cols, rows[, stages]) view of a (rows, cols[, stages]) smem tile: an MMA operand
+    read along the other dim (ldmatrix.trans)."""
+    if stages:
+        layout = cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols))
+    else:
+        layout = cute.make_layout((cols, rows), stride=(rows, 1))
+    return cute.composition(t, layout)

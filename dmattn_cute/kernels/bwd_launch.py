@@ -1,0 +1,185 @@
+"""Host side of the backward: preprocess, the main kernel, and the fp32 -> input dtype casts.
+
+dq is accumulated in fp32 ([B, Sq, H, D], zeroed here) and cast at the end; dk and dv are
+written by the kernel in the input dtype. dbias is either written by the kernel in the bias
+dtype, or accumulated in an fp32 buffer of the bias's shape and cast (see kernels/bwd.py).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import torch
+
+from ..jit.arch import target_arch
+from ..jit.cache import compiled
+from ..problem import Problem
+from .bwd import BwdSpec, DbiasSpec
+from .fwd import DTYPES
+from .bwd_pre import bwd_preprocess
+from .fwd_launch import (
+    _DTYPE_NAMES,
+    _cute_tensor,
+    _fake,
+    _operand_spec,
+    _operand_view,
+    _qkv_view,
+    _scalars,
+    _stride_kind,
+)
+
+
+def _broadcast_view(t: torch.Tensor) -> torch.Tensor:
+    """t with stride 0 on its size-1 dims, so a kernel indexes every dim alike."""
+    strides = tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.as_strided(t.shape, strides)
+
+
+def dbias_plan(problem: Problem, bias_shape: torch.Size) -> tuple[str, bool, bool]:
+    """(kind, fold_batch, fold_heads) of the dbias of a [Bm, Hm, Qm, Km] bias.
+
+    kind: "zero" when Km = 1 (a per-row shift leaves the softmax unchanged, so its gradient is
+    exactly 0), "direct" when each element has a single contributing CTA (Bm = B and Hm = H;
+    stored in the bias dtype), else "sum" (an fp32 buffer). Deterministic sums over a
+    broadcast batch / all kv heads fold those dims into one CTA (see BwdSpec).
+    """
+    bm, hm, _, km = bias_shape
+    if km == 1:
+        return "zero", False, False
+    if bm == problem.batch and hm == problem.num_heads:
+        return "direct", False, False
+    det = problem.deterministic
+    return "sum", det and bm == 1 and problem.batch > 1, det and hm == 1 and problem.num_heads_kv > 1
+
+
+def bwd_spec(
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dbias_buf: torch.Tensor | None,
+    kind: str,
+    fold: tuple[bool, bool],
+    arch: str,
+) -> BwdSpec:
+    """The backward variant for a problem (mask/bias: kernel views from `_operand_view`;
+    dbias_buf: the broadcast view the kernel writes, None for no dbias work)."""
+    dbias = None
+    if dbias_buf is not None:
+        dbias = DbiasSpec(
+            _DTYPE_NAMES[dbias_buf.dtype],
+            tuple(_stride_kind(s) for s in dbias_buf.stride()),
+            rows_summed=dbias_buf.shape[2] == 1,
+            direct=kind == "direct",
+            atomic=not problem.deterministic,
+        )
+    return BwdSpec.build(
+        arch,
+        _DTYPE_NAMES[problem.dtype],
+        problem.head_dim,
+        None if mask is None else _operand_spec(mask, problem.seqlen_k),
+        None if bias is None else _operand_spec(bias, problem.seqlen_k),
+        dbias,
+        problem.is_causal or problem.window_left >= 0 or problem.window_right >= 0,
+        problem.softcap > 0,
+        problem.deterministic,
+        *fold,
+    )
+
+
+def _bwd_scalars(problem: Problem, mask, bias) -> list:
+    scalars = _scalars(problem, mask, bias)
+    # fwd order: scale_log2, bias_scale, softcap_scale, softcap, left, right, divs, group
+    return [*scalars[:4], problem.softmax_scale, *scalars[4:]]
+
+
+def example_args(spec: BwdSpec) -> list:
+    """Arguments for an offline `cute.compile` of `spec` (see fwd_launch.example_args)."""
+    qkv = _fake(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8)
+    rows = _fake("fp32", ("d", "d", "1"), 4)
+    acc = _fake("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
+    mask = bias = dbias = sem = None
+    if spec.mask is not None:
+        mask = _fake(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
+    if spec.bias is not None:
+        elem = DTYPES[spec.bias.dtype].width // 8
+        bias = _fake(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
+    if spec.dbias is not None:
+        dbias = _fake(spec.dbias.dtype, spec.dbias.strides, 4 if spec.dbias.dtype == "fp32" else 2)
+    if spec.deterministic:
+        sem = _fake("i32", ("d", "d", "1"), 4)
+    scalars = [1.0, 1.0, 0.0, 0.0, 1.0, 0, 0, 1, 1, 1]
+    return [qkv, qkv, qkv, qkv, rows, rows, acc, qkv, qkv, mask, bias, dbias, sem, *scalars,
+            cuda.CUstream(0)]  # fmt: skip
+
+
+def flash_bwd(
+    problem: Problem,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
+
+    mask/bias are the normalized 4-D views of `problem.make_problem`; dbias has bias's shape
+    and dtype.
+    """
+    q, k, v, out, dout = (_qkv_view(t) for t in (q, k, v, out, dout))
+    mask_k = None if mask is None else _operand_view(mask)
+    bias_k = None if bias is None else _operand_view(bias)
+    dpsum = bwd_preprocess(out, dout)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+
+    dbias = dbias_buf = None
+    kind, fold = "zero", (False, False)
+    if bias is not None and bias_grad:
+        kind, *fold = dbias_plan(problem, bias.shape)
+        if kind == "direct":
+            dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+            dbias_buf = dbias
+        elif kind == "sum":
+            dbias_buf = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        else:
+            dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+    dbias_view = None if dbias_buf is None else _broadcast_view(dbias_buf)
+
+    arch = target_arch(q.device)
+    spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, tuple(fold), arch)
+    sem = None
+    if problem.deterministic:
+        num_m = -(-problem.seqlen_q // spec.tile.tile_m)
+        sem = torch.zeros(
+            problem.batch, problem.num_heads, num_m, dtype=torch.int32, device=q.device
+        )
+    kernel = compiled(spec, arch)
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    args = [
+        _cute_tensor(q, 16),
+        _cute_tensor(k, 16),
+        _cute_tensor(v, 16),
+        _cute_tensor(dout, 16),
+        _cute_tensor(lse, 4),
+        _cute_tensor(dpsum, 4),
+        _cute_tensor(dq_acc, 16),
+        _cute_tensor(dk, 16),
+        _cute_tensor(dv, 16),
+        None if mask_k is None else _cute_tensor(mask_k, spec.mask.vec),
+        None if bias_k is None else _cute_tensor(bias_k, spec.bias.vec * bias_k.element_size()),
+        None if dbias_view is None else _cute_tensor(dbias_view, dbias_view.element_size()),
+        None if sem is None else _cute_tensor(sem, 4),
+        *_bwd_scalars(problem, mask_k, bias_k),
+        stream,
+    ]
+    kernel(*args)
+    if kind == "sum":
+        dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)
+    return dq_acc.to(q.dtype), dk, dv, dbias
+
+
+__all__ = ["bwd_spec", "dbias_plan", "example_args", "flash_bwd"]
