@@ -62,7 +62,8 @@ def _qkv_view(t: torch.Tensor) -> torch.Tensor:
 def _cute_tensor(t: torch.Tensor, align: int):
     """from_dlpack with dynamic shapes/strides; stride-0 and unit strides stay static."""
     unit = [i for i, s in enumerate(t.stride()) if s == 1]
-    tensor = from_dlpack(t, assumed_align=align)
+    # DLPack refuses tensors that require grad; the kernels never take part in autograd.
+    tensor = from_dlpack(t.detach(), assumed_align=align)
     return tensor.mark_layout_dynamic(leading_dim=unit[0] if unit else None)
 
 
