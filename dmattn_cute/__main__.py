@@ -45,8 +45,10 @@ def _gpu() -> None:
         times.append(events[0].elapsed_time(events[1]))
     ms = sorted(times)[len(times) // 2]
     flops = 4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.shape[3]
-    print(f"{torch.cuda.get_device_name()}: forward B2 H16 Hkv4 S4096 D128 bf16, bias + mask "
-          f"(density 0.3): {ms:.3f} ms median, {flops / ms / 1e9:.1f} TFLOP/s dense-equivalent")
+    print(
+        f"{torch.cuda.get_device_name()}: forward B2 H16 Hkv4 S4096 D128 bf16, bias + mask "
+        f"(density 0.3): {ms:.3f} ms median, {flops / ms / 1e9:.1f} TFLOP/s dense-equivalent"
+    )
 
 
 def _cpu() -> None:
@@ -55,17 +57,21 @@ def _cpu() -> None:
     bias.requires_grad_(True)
     out = flash_dmattn_func(q, k, v, mask, bias, is_causal=True)
     out.float().sum().backward()
-    print(f"reference forward/backward on CPU: out {tuple(out.shape)}, "
-          f"dbias {tuple(bias.grad.shape)} {bias.grad.dtype}")
+    print(
+        f"reference forward/backward on CPU: out {tuple(out.shape)}, "
+        f"dbias {tuple(bias.grad.shape)} {bias.grad.dtype}"
+    )
     mask_spec = OperandSpec("u8", ("d", "d", "d", "1"), 16)
     bias_spec = OperandSpec("bf16", ("d", "d", "0", "1"), 8)
     for arch in SUPPORTED_ARCHS:
         spec = FwdSpec.build(arch, "bf16", 128, mask_spec, bias_spec, False, False)
         start = time.perf_counter()
         spec.compile(arch)
-        print(f"compiled the forward (D=128, mask + bias) for {arch} offline in "
-              f"{time.perf_counter() - start:.1f} s: tile {spec.tile}, "
-              f"{spec.smem_bytes() // 1024} KiB shared memory")
+        print(
+            f"compiled the forward (D=128, mask + bias) for {arch} offline in "
+            f"{time.perf_counter() - start:.1f} s: tile {spec.tile}, "
+            f"{spec.smem_bytes() // 1024} KiB shared memory"
+        )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ def _cuda_forward(
     return flash_fwd(problem, query, key, value, mask, bias)
 
 
-
-
 class _FlashDMAttnFunction(torch.autograd.Function):
     """The CUDA path: forward and backward kernels on validated, normalized inputs."""
 

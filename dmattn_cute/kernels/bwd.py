@@ -492,15 +492,14 @@ class FlashBwd:
         """The CTA's work for one (batch, kv head): every query head of the group, every query
         block, then dK and dV of the key block."""
         spec = self.spec
-        tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
+        tn, dp, st = self.tile_n, self.head_dim_padded, self.stages
         n_block, tidx = ctx.n_block, ctx.tidx
-        seqlen_q, seqlen_k, head_dim = ctx.seqlen_q, ctx.seqlen_k, ctx.head_dim
+        seqlen_k, head_dim = ctx.seqlen_k, ctx.head_dim
         sK, sV, state, acc_dK, acc_dV = ctx.sK, ctx.sV, ctx.state, ctx.acc_dK, ctx.acc_dV
         thr_qkv, copy_qkv, copy_out = ctx.thr_qkv, ctx.copy_qkv, ctx.copy_out
         mK, mV, mdK, mdV, colsum = ctx.mK, ctx.mV, ctx.mdK, ctx.mdV, ctx.colsum
         m_lo, m_hi, m_min, m_max = ctx.m_lo, ctx.m_hi, ctx.m_min, ctx.m_max
         sops, mm, tScS, s_words, s_colsum = ctx.sops, ctx.mm, ctx.tScS, ctx.s_words, ctx.s_colsum
-        mask_head_div, bias_head_div = ctx.mask_head_div, ctx.bias_head_div
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
@@ -535,7 +534,7 @@ class FlashBwd:
                 mdQacc=ctx.mdQacc,
                 mdBias=ctx.mdBias,
                 mSem=ctx.mSem,
-                dbias_h=h // bias_head_div,
+                dbias_h=h // ctx.bias_head_div,
                 colsum=colsum,
                 tidx=tidx,
             )
@@ -568,9 +567,7 @@ class FlashBwd:
                     cute.arch.sync_threads()
                     if cutlass.const_expr(st == 2):
                         if has_next:
-                            self.load_step(
-                                ld, m + step, 1 - stage, (state[2] >> (j + step)) & 1
-                            )
+                            self.load_step(ld, m + step, 1 - stage, (state[2] >> (j + step)) & 1)
                         cute.arch.cp_async_commit_group()
                         state[1] = 1 - stage
                     self.compute_step(
@@ -646,9 +643,7 @@ class FlashBwd:
             tidx=tidx,
             copy_qkv=ctx.copy_qkv,
             tQgQ=thr_qkv.partition_S(cute.local_tile(mQ[b, None, h, None], (tm, dp), (None, 0))),
-            tdOgdO=thr_qkv.partition_S(
-                cute.local_tile(mdO[b, None, h, None], (tm, dp), (None, 0))
-            ),
+            tdOgdO=thr_qkv.partition_S(cute.local_tile(mdO[b, None, h, None], (tm, dp), (None, 0))),
             tQsQ=thr_qkv.partition_D(sQ),
             tdOsdO=thr_qkv.partition_D(sdO),
             tQcQ=thr_qkv.partition_S(cQ),

@@ -14,8 +14,8 @@ from ..jit.arch import target_arch
 from ..jit.cache import compiled
 from ..problem import Problem
 from .bwd import BwdSpec, DbiasSpec
-from .fwd import DTYPES
 from .bwd_pre import bwd_preprocess
+from .fwd import DTYPES
 from .fwd_launch import (
     _DTYPE_NAMES,
     _cute_tensor,
@@ -48,7 +48,11 @@ def dbias_plan(problem: Problem, bias_shape: torch.Size) -> tuple[str, bool, boo
     if bm == problem.batch and hm == problem.num_heads:
         return "direct", False, False
     det = problem.deterministic
-    return "sum", det and bm == 1 and problem.batch > 1, det and hm == 1 and problem.num_heads_kv > 1
+    return (
+        "sum",
+        det and bm == 1 and problem.batch > 1,
+        det and hm == 1 and problem.num_heads_kv > 1,
+    )
 
 
 def bwd_spec(
@@ -141,7 +145,9 @@ def flash_bwd(
     if bias is not None and bias_grad:
         kind, *fold = dbias_plan(problem, bias.shape)
         if kind == "direct":
-            dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+            # Zeroed: tiles that causal/window ranges or all-False mask tiles skip are never
+            # written by the kernel.
+            dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
             dbias_buf = dbias
         elif kind == "sum":
             dbias_buf = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)

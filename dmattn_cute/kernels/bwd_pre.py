@@ -220,9 +220,7 @@ def _vector_aligned(mX: cute.Tensor, vec: cutlass.Constexpr[int]) -> cute.Tensor
 def _as_cute(t: torch.Tensor, align: int) -> cute.Tensor:
     """A DLPack view with dynamic shape and strides except the unit stride of the last dim;
     ``align`` is the base alignment in bytes the kernel may assume (checked by the caller)."""
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(
-        leading_dim=t.dim() - 1
-    )
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
 def _check_vector_aligned(name: str, t: torch.Tensor) -> None:

@@ -167,7 +167,9 @@ def bwd_region_bytes(tile: BwdTile, elem_bytes: int, operand: SmemOperand | None
     size = tile.tile_m * tile.tile_n * elem_bytes
     if operand is not None:
         rows = 1 if operand.row_broadcast else tile.tile_m
-        size = max(size, rows * tile_row_elems(tile.tile_n, operand.elem_bytes) * operand.elem_bytes)
+        size = max(
+            size, rows * tile_row_elems(tile.tile_n, operand.elem_bytes) * operand.elem_bytes
+        )
     return _round_up(size, _STAGE_ALIGN)
 
 
