@@ -16,9 +16,16 @@ while [ $# -gt 0 ]; do
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 export PYTHONUNBUFFERED=1
+# pytest-xdist, when carried in .pydeps (pip download pytest-xdist execnet, unzipped): the GPU
+# tests are bound by kernel compiles, which then run on every core.
+jobs=()
+if [ -d .pydeps ]; then
+  export PYTHONPATH="$PWD/.pydeps${PYTHONPATH:+:$PYTHONPATH}"
+  jobs=(-n "${JOBS:-12}")
+fi
 status=0
 if [ "$tests" = 1 ]; then
-  python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -40
+  python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "${jobs[@]}" "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$sanitize" = 1 ]; then
@@ -27,6 +34,8 @@ if [ "$sanitize" = 1 ]; then
   done
 fi
 if [ "$bench" = 1 ]; then
-  python3 -m bench.run --out "$out" 2>&1 | tee "$out/bench.log" | tail -60
+  for mode in fwd fwdbwd; do
+    python3 -m bench.run --mode "$mode" --out "$out" 2>&1 | tee "$out/bench_$mode.log" | tail -40
+  done
 fi
 exit "$status"

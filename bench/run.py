@@ -1,6 +1,9 @@
-"""Forward benchmark: dmattn_cute against SDPA (flash, memory-efficient), FlexAttention and FA4.
+"""Benchmark: dmattn_cute against SDPA (flash, memory-efficient), FlexAttention and FA4.
 
-    python3 -m bench.run --out DIR [--quick]    # GPU machine, repo root, after activate.sh
+    python3 -m bench.run --out DIR [--quick] [--mode fwd|fwdbwd]   # GPU machine, repo root
+
+fwd times the forward; fwdbwd times forward + backward (out.backward(dout)), with the bias
+gradient wherever the workload has a bias.
 
 All implementations run in this process on the same inputs; each peer's output is compared with
 ours. Prints a Markdown table and writes it to DIR/bench_<mode>.md. The kernels and the peers
@@ -28,9 +31,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 BATCH, HEADS, HEADS_KV, HEAD_DIM = 2, 16, 4, 128
 GROUP = HEADS // HEADS_KV
 SEQLEN, QUICK_SEQLEN = 4096, 2048
-# Sparse masks are drawn in blocks of our forward tile at D=128 (128 queries x 64 keys), so a
-# block density p leaves the kernel about a fraction p of its tiles to compute.
-BLOCK_Q, BLOCK_K = 128, 64
+# Sparse masks are drawn in 128 x 128 blocks, a multiple of our forward (128 x 64) and
+# backward (64 x 128) tiles at D=128: a block density p leaves both about a fraction p of
+# their tiles to compute.
+BLOCK_Q, BLOCK_K = 128, 128
 REL_TOL = 2e-2
 OURS = "dmattn_cute"
 
@@ -60,17 +64,6 @@ WORKLOADS = (
 QUICK_WORKLOADS = (DENSE, BIAS_DENSE_MASK, SPARSE_025)
 
 
-@dataclass(frozen=True)
-class Mode:
-    """What one timed call runs; its FLOPs are the forward's times `flop_factor`."""
-
-    flop_factor: float
-    wrap: Callable[[Call], Call]
-
-
-MODES = {"fwd": Mode(1.0, lambda call: torch.no_grad()(call))}
-
-
 @dataclass
 class Inputs:
     q: Tensor  # [B, S, H, D]
@@ -79,6 +72,42 @@ class Inputs:
     mask: Tensor | None  # bool [B, Hkv, S, S]
     bias: Tensor | None  # [B, Hkv, 1, S]
     causal: bool
+    grad: bool  # q, k, v and bias require grad (fwdbwd)
+
+
+def forward_only(call: Call, x: Inputs) -> Call:
+    return torch.no_grad()(call)
+
+
+def forward_backward(call: Call, x: Inputs) -> Call:
+    """out = call(); out.backward(dout): dq, dk, dv and dbias (fresh .grad each call)."""
+    dout = torch.randn_like(x.q)
+    leaves = [t for t in (x.q, x.k, x.v, x.bias) if t is not None]
+
+    def run() -> Tensor:
+        for t in leaves:
+            t.grad = None
+        out = call()
+        out.backward(dout)
+        return out.detach()
+
+    return run
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What one timed call runs; its FLOPs are the forward's times `flop_factor` (the
+    backward's five GEMMs are 2.5 forwards)."""
+
+    flop_factor: float
+    wrap: Callable[[Call, Inputs], Call]
+    grad: bool
+
+
+MODES = {
+    "fwd": Mode(1.0, forward_only, False),
+    "fwdbwd": Mode(3.5, forward_backward, True),
+}
 
 
 def block_sparse_mask(density: float, seqlen: int) -> Tensor:
@@ -91,14 +120,14 @@ def block_sparse_mask(density: float, seqlen: int) -> Tensor:
     return blocks.repeat_interleave(BLOCK_Q, 2).repeat_interleave(BLOCK_K, 3)
 
 
-def make_inputs(w: Workload, seqlen: int) -> Inputs:
+def make_inputs(w: Workload, seqlen: int, grad: bool) -> Inputs:
     torch.manual_seed(0)  # every workload sees the same q/k/v and bias
-    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    kw = {"device": "cuda", "dtype": torch.bfloat16, "requires_grad": grad}
     q = torch.randn(BATCH, seqlen, HEADS, HEAD_DIM, **kw)
     k, v = (torch.randn(BATCH, seqlen, HEADS_KV, HEAD_DIM, **kw) for _ in range(2))
     bias = torch.randn(BATCH, HEADS_KV, 1, seqlen, **kw) if w.bias else None
     mask = None if w.mask_density is None else block_sparse_mask(w.mask_density, seqlen)
-    return Inputs(q, k, v, mask, bias, w.causal)
+    return Inputs(q, k, v, mask, bias, w.causal, grad)
 
 
 # Each implementation yields (note, call) candidates for a workload, best first; the runner
@@ -127,19 +156,26 @@ def sdpa_flash(x: Inputs) -> Iterator[tuple[str, Call]]:
 def sdpa_efficient(x: Inputs) -> Iterator[tuple[str, Call]]:
     if x.bias is None:
         return
-    q = x.q.transpose(1, 2)
-    k, v = (t.transpose(1, 2).repeat_interleave(GROUP, dim=1) for t in (x.k, x.v))
-    additive = x.bias.expand(-1, -1, q.shape[2], -1)
-    if x.mask is not None:
-        additive = torch.where(x.mask, additive, float("-inf"))
-    additive = additive.repeat_interleave(GROUP, dim=1)  # [B, H, S, S], built once
+
+    def additive() -> Tensor:
+        """The bias and mask as one float [B, H, S, S] mask (differentiable in the bias)."""
+        add = x.bias.expand(-1, -1, x.q.shape[1], -1)
+        if x.mask is not None:
+            add = torch.where(x.mask, add, float("-inf"))
+        return add.repeat_interleave(GROUP, dim=1)
+
+    fixed = None if x.grad else additive()  # forward only: built once, outside the timing
 
     def run() -> Tensor:
+        q = x.q.transpose(1, 2)
+        k, v = (t.transpose(1, 2).repeat_interleave(GROUP, dim=1) for t in (x.k, x.v))
+        add = additive() if fixed is None else fixed
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            out = F.scaled_dot_product_attention(q, k, v, additive, is_causal=x.causal)
+            out = F.scaled_dot_product_attention(q, k, v, add, is_causal=x.causal)
         return out.transpose(1, 2)
 
-    yield "float mask [B,H,S,S], k/v repeated", run
+    note = "float mask [B,H,S,S], k/v repeated"
+    yield note + (" (built in the timed call, for dbias)" if x.grad else ""), run
 
 
 _flex: list[Callable] = []  # torch.compile(flex_attention), made once
@@ -152,13 +188,13 @@ def flex(x: Inputs) -> Iterator[tuple[str, Call]]:
         # Each workload's score_mod and BlockMask is one more compiled variant.
         torch._dynamo.config.recompile_limit = 64
         _flex.append(torch.compile(flex_attention, dynamic=False))
-    q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
-    bias, mask, s = x.bias, x.mask, q.shape[2]
+    bias, mask, s = x.bias, x.mask, x.q.shape[1]
 
     def add_bias(score, b, h, q_idx, kv_idx):
         return score + bias[b, h // GROUP, 0, kv_idx]
 
     def run(block_mask) -> Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
         score_mod = None if bias is None else add_bias
         return _flex[0](q, k, v, score_mod, block_mask, enable_gqa=True).transpose(1, 2)
 
@@ -168,8 +204,7 @@ def flex(x: Inputs) -> Iterator[tuple[str, Call]]:
     elif mask is None:
         yield "", lambda: run(None)
     else:
-        # Our tile first (its kernel needs BLOCK_N to divide 64), else FlexAttention's default.
-        for size in ((BLOCK_Q, BLOCK_K), (128, 128)):
+        for size in ((BLOCK_Q, BLOCK_K),):
             block_mask = create_block_mask(
                 lambda b, h, i, j: mask[b, h // GROUP, i, j], BATCH, HEADS, s, s, "cuda", size
             )
@@ -225,13 +260,13 @@ def peak_mib(fn: Call) -> float:
 
 
 def measure(
-    candidates: Iterator[tuple[str, Call]], mode: Mode, timer, errors: list[str]
+    candidates: Iterator[tuple[str, Call]], x: Inputs, mode: Mode, timer, errors: list[str]
 ) -> tuple[Tensor, float, float, float, str] | None:
     """(first output, ms, first-call s, peak MiB, note) of the first candidate that runs."""
     # Broad excepts: one peer failing (compile error, OOM, missing package) must not end the run.
     try:
         for note, call in candidates:
-            fn = mode.wrap(call)
+            fn = mode.wrap(call, x)
             try:
                 start = time.perf_counter()
                 out = fn()
@@ -266,10 +301,10 @@ def bench_workload(
     w: Workload, seqlen: int, mode: Mode, timer, times: dict, notes: list[str]
 ) -> list[str]:
     """The table rows of `w`, ours first; records times[workload, impl] = ms."""
-    x = make_inputs(w, seqlen)
+    x = make_inputs(w, seqlen, mode.grad)
     flops = mode.flop_factor * 4.0 * BATCH * HEADS * seqlen**2 * HEAD_DIM / (2 if w.causal else 1)
     exec_flops = None
-    if w.mask_density is not None and w.mask_density < 1.0:
+    if w.mask_density is not None and w.mask_density < 1.0 and not mode.grad:
         exec_flops, tile = executed_flops(x)
         exec_flops *= mode.flop_factor
         density = x.mask.float().mean().item()
@@ -277,7 +312,7 @@ def bench_workload(
     lines, ref = [], None
     for name, builder in IMPLS.items():
         errors: list[str] = []
-        got = measure(builder(x), mode, timer, errors)
+        got = measure(builder(x), x, mode, timer, errors)
         notes.extend(f"{w.name}: {name}: {e}" for e in errors)
         if got is None:
             continue
@@ -323,14 +358,22 @@ def table_row(values: tuple) -> str:
     return "| " + " | ".join("-" if v is None else format(v, f) for v, f in pairs) + " |"
 
 
-def summary(ms: dict) -> list[str]:
-    """The issue's targets, PASS/MISS where both rows of a ratio ran."""
+def summary(ms: dict, mode: str) -> list[str]:
+    """The issues' targets, PASS/MISS where both rows of a ratio ran."""
     dense, full, sparse = DENSE.name, BIAS_DENSE_MASK.name, SPARSE_025.name
     checks = (  # label, numerator row, denominator row, comparison, target
         ("dense: ours / sdpa_flash TFLOP/s", (dense, "sdpa_flash"), (dense, OURS), ">=", 0.9),
         ("ours: bias + dense mask / dense time", (full, OURS), (dense, OURS), "<=", 1.2),
         ("ours: mask 0.25 / dense mask time (+bias)", (sparse, OURS), (full, OURS), "<=", 0.35),
     )
+    if mode == "fwdbwd":
+        checks = (
+            ("dense: ours / sdpa_flash speed", (dense, "sdpa_flash"), (dense, OURS), ">=", 0.85),
+            ("bias + dense mask: ours / sdpa_efficient speed", (full, "sdpa_efficient"),
+             (full, OURS), ">=", 1.5),
+            ("bias + dense mask: ours / flex speed", (full, "flex"), (full, OURS), ">=", 1.0),
+            ("ours: mask 0.25 / dense mask time (+bias)", (sparse, OURS), (full, OURS), "<=", 0.4),
+        )  # fmt: skip
     lines = []
     for label, num, den, op, target in checks:
         if num not in ms or den not in ms:
@@ -374,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `{shlex.join(['python3', '-m', 'bench.run', *sys.argv[1:]])}`",
         f"- B={BATCH} H={HEADS} Hkv={HEADS_KV} S={seqlen} D={HEAD_DIM} bf16, bias [B,Hkv,1,S]",
         f"- masks: bool [B,Hkv,S,S], random {BLOCK_Q}x{BLOCK_K} (query x key) blocks, diagonal on",
+        "- fwdbwd: forward + out.backward(dout); dq, dk, dv, and dbias where there is a bias",
         f"- timing: {timer_name}; the first call (compiles, warm-up) is reported apart",
         "- ours speedup: this row's time / ours (> 1: ours is faster)",
         "",
@@ -384,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     lines, times, notes = [], {}, []
     for w in QUICK_WORKLOADS if args.quick else WORKLOADS:
         lines += bench_workload(w, seqlen, MODES[args.mode], timer, times, notes)
-    footer = ["", "## Targets", "", *summary(times), "", "## Notes", ""]
+    footer = ["", "## Targets", "", *summary(times, args.mode), "", "## Notes", ""]
     footer += [f"- {n}" for n in notes]
     print("\n".join(footer), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """One masked, biased forward with a tail (S=1000), for compute-sanitizer racecheck/memcheck.
 
-    compute-sanitizer --tool racecheck python3 -m bench.sanitize
+compute-sanitizer --tool racecheck python3 -m bench.sanitize
 """
 
 from __future__ import annotations

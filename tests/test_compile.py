@@ -9,6 +9,7 @@ import torch
 
 from dmattn_cute.jit import SUPPORTED_ARCHS
 from dmattn_cute.jit.arch import smem_capacity
+from dmattn_cute.kernels.bwd import BwdSpec, DbiasSpec
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
 from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
 
@@ -117,3 +118,64 @@ def test_fwd_unaligned_operands_compile(target: str) -> None:
     # Sk odd: mask bytes and bf16 bias rows allow only element-wide, synchronous loads.
     spec = fwd_spec_for(target, 64, mask=KEY_BCAST_MASK, bias=UNALIGNED_BIAS, has_window=True)
     check_fwd_ptx(target, fwd_ptx(target, spec))
+
+
+def bwd_spec_for(
+    target: str,
+    head_dim: int,
+    dtype: str = "bf16",
+    mask: OperandSpec | None = FULL_MASK,
+    bias: OperandSpec | None = FULL_BIAS,
+    dbias: DbiasSpec | None = None,
+    has_window: bool = False,
+    has_softcap: bool = False,
+    deterministic: bool = False,
+    fold: tuple[bool, bool] = (False, False),
+) -> BwdSpec:
+    return BwdSpec.build(
+        target, dtype, head_dim, mask, bias, dbias, has_window, has_softcap, deterministic, *fold
+    )
+
+
+DBIAS_DIRECT = DbiasSpec("bf16", ("d", "d", "d", "1"), False, True, True)
+DBIAS_ROWS_ATOMIC = DbiasSpec("fp32", ("d", "d", "0", "1"), True, False, True)
+DBIAS_SUM_RMW = DbiasSpec("fp32", ("0", "0", "d", "1"), False, False, False)
+
+
+def check_bwd_ptx(target: str, spec: BwdSpec) -> str:
+    ptx = fwd_ptx(target, spec)
+    check_fwd_ptx(target, ptx)
+    # dq is accumulated in fp32 global memory
+    assert re.search(r"\b(red|atom)\.global\.add\.f32", ptx) or "atom.add.f32" in ptx
+    return ptx
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"),
+    [(32, "bf16"), (40, "fp16"), (64, "bf16"), (96, "fp16"), (128, "bf16"), (160, "fp16"),
+     (192, "bf16"), (256, "fp16")],
+)  # fmt: skip
+@pytest.mark.parametrize("target", SUPPORTED_ARCHS)
+def test_bwd_head_dims_compile(target: str, head_dim: int, dtype: str) -> None:
+    spec = bwd_spec_for(target, head_dim, dtype, dbias=DBIAS_DIRECT)
+    assert spec.smem_bytes() <= smem_capacity(target)
+    check_bwd_ptx(target, spec)
+
+
+@pytest.mark.parametrize(
+    ("mask", "bias", "dbias", "window", "softcap", "det", "fold"),
+    [
+        (None, None, None, False, False, False, (False, False)),
+        (FULL_MASK, ROW_BIAS_FP32, DBIAS_ROWS_ATOMIC, True, False, False, (False, False)),
+        (None, FULL_BIAS, None, False, True, False, (False, False)),
+        (FULL_MASK, UNALIGNED_BIAS, DBIAS_SUM_RMW, True, True, True, (True, True)),
+        (KEY_BCAST_MASK, None, None, True, False, True, (False, False)),
+    ],
+    ids=["plain", "rowbias-window", "bias-nograd-softcap", "deterministic-folded", "keymask"],
+)
+@pytest.mark.parametrize("target", SUPPORTED_ARCHS)
+def test_bwd_variants_compile(target, mask, bias, dbias, window, softcap, det, fold) -> None:
+    spec = bwd_spec_for(target, 128, "fp16", mask, bias, dbias, window, softcap, det, fold)
+    ptx = check_bwd_ptx(target, spec)
+    if det:  # the dq turn counters are read with acquire and written with release semantics
+        assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx

@@ -198,7 +198,12 @@ _BWD_CANDIDATES: dict[int, tuple[BwdTile, ...]] = {
         BwdTile(64, 64, 4, 2),
         BwdTile(64, 64, 4, 1),
     ),
-    256: (BwdTile(64, 64, 8, 2), BwdTile(64, 64, 8, 1), BwdTile(64, 32, 4, 1)),
+    256: (
+        BwdTile(64, 64, 8, 2),
+        BwdTile(64, 64, 8, 1),
+        BwdTile(64, 32, 4, 1),
+        BwdTile(32, 32, 4, 1),
+    ),
 }
 
 
@@ -209,7 +214,10 @@ def bwd_tile(
     mask: SmemOperand | None,
     bias: SmemOperand | None,
 ) -> BwdTile:
-    """The first backward candidate that fits `arch`'s shared memory (ValueError if none)."""
+    """The first backward candidate that fits `arch`'s shared memory (ValueError if none).
+
+    One CTA per SM suffices: the backward's 8-warp CTAs hold dK and dV in registers, so a
+    second CTA would not fit the register file anyway."""
     bucket = min(size for size in _BWD_CANDIDATES if head_dim_padded <= size)
     for tile in _BWD_CANDIDATES[bucket]:
         need = bwd_smem_bytes(tile, head_dim_padded, elem_bytes, mask, bias)
