@@ -1,6 +1,10 @@
-"""One masked, biased forward with a tail (S=1000), for compute-sanitizer racecheck/memcheck.
+"""One masked, biased forward + backward with a tail (S=1000), for compute-sanitizer.
 
 compute-sanitizer --tool racecheck python3 -m bench.sanitize
+
+The mask has all-False key blocks and rows (skipped tiles), the bias is [1, H, 1, S] (dbias
+column sums across the heads of a group), GQA 2/1 and a sliding window; the backward runs
+once in default mode (atomics) and once deterministic (turn counters).
 """
 
 from __future__ import annotations
@@ -14,17 +18,31 @@ from dmattn_cute.reference import attention_ref
 def main() -> None:
     torch.manual_seed(0)
     b, s, h, hkv, d = 1, 1000, 2, 1, 64
-    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16)
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    q = torch.randn(b, s, h, d, **kw)
+    k = torch.randn(b, s, hkv, d, **kw)
+    v = torch.randn(b, s, hkv, d, **kw)
     mask = torch.rand(b, hkv, s, s, device="cuda") < 0.5
     mask[..., 256:512] = False  # whole key blocks skipped
-    bias = torch.randn(b, h, 1, s, device="cuda", dtype=torch.bfloat16)
-    out = flash_dmattn_func(q, k, v, mask, bias, window_size=(700, 300))
-    ref, _ = attention_ref(q, k, v, mask, bias, window_size=(700, 300))
-    err = (out.float() - ref).abs().max().item()
-    print(f"max abs err vs reference: {err:.3e}")
-    assert err < 5e-2
+    mask[..., 600:700, :] = False  # whole query blocks skipped
+    bias = torch.randn(b, h, 1, s, **kw)
+    dout = torch.randn_like(q)
+    window = (700, 300)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
+    ref, _ = attention_ref(*leaves[:3], mask, leaves[3], window_size=window)
+    ref.backward(dout.float())
+    for deterministic in (False, True):
+        ours = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        out = flash_dmattn_func(
+            *ours[:3], mask, ours[3], window_size=window, deterministic=deterministic
+        )
+        out.backward(dout)
+        errs = {"out": (out.float() - ref).abs().max().item()}
+        for name, got, want in zip(("dq", "dk", "dv", "dbias"), ours, leaves, strict=True):
+            errs[name] = ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
+        print(f"deterministic={deterministic}: max abs err out {errs.pop('out'):.3e}, rel err "
+              + ", ".join(f"{n} {e:.3e}" for n, e in errs.items()))  # fmt: skip
+        assert all(e < 2e-2 for e in errs.values())
 
 
 if __name__ == "__main__":
