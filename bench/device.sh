@@ -16,11 +16,12 @@ while [ $# -gt 0 ]; do
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 export PYTHONUNBUFFERED=1
-# pytest-xdist, when carried in .pydeps (pip download pytest-xdist execnet, unzipped): the GPU
-# tests are bound by kernel compiles, which then run on every core.
+# pytest-xdist, when carried as .pydeps/xdist.tar.xz (the pytest-xdist and execnet wheels,
+# unzipped and packed): the GPU tests are bound by kernel compiles, which then use every core.
 jobs=()
-if [ -d .pydeps ]; then
-  export PYTHONPATH="$PWD/.pydeps${PYTHONPATH:+:$PYTHONPATH}"
+if [ -f .pydeps/xdist.tar.xz ]; then
+  mkdir -p /tmp/pydeps && tar -xJf .pydeps/xdist.tar.xz -C /tmp/pydeps
+  export PYTHONPATH="/tmp/pydeps${PYTHONPATH:+:$PYTHONPATH}"
   jobs=(-n "${JOBS:-12}")
 fi
 status=0
