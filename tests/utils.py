@@ -15,7 +15,7 @@ def check_close(name: str, got: Tensor, ref: Tensor, ref_lowp: Tensor, dtype: to
     got: the kernel's result; ref: the float32/float64 reference; ref_lowp: the same reference
     computed in `dtype`. All three have one shape. Passes when
     max|got - ref| <= 2 * max|ref_lowp - ref| + 1e-5 and ||got - ref|| / ||ref|| is below
-    REL_TOLERANCE[dtype] (when ||ref|| == 0, got must be exactly 0). NaN in got fails; -inf in
+    REL_TOLERANCE[dtype] (when ||ref|| == 0, only the first bound applies). NaN in got fails; -inf in
     ref (lse of a fully masked row) must be -inf in got and is left out of the comparison.
     Raises AssertionError naming `name`, the errors and their limits.
     """
@@ -35,7 +35,8 @@ def check_close(name: str, got: Tensor, ref: Tensor, ref_lowp: Tensor, dtype: to
     max_limit = 2 * lowp_err + 1e-5
     ref_norm = ref.norm().item()
     if ref_norm == 0:
-        assert max_err == 0, f"{name}: ref is all zero but max|got| = {max_err:.3e}"
+        # e.g. dq of a single visible key: only the absolute bound applies
+        assert max_err <= max_limit, f"{name}: ref is all zero but max|got| = {max_err:.3e}"
         return
     rel_err = (got - ref).norm().item() / ref_norm
     rel_limit = REL_TOLERANCE[dtype]

@@ -52,6 +52,9 @@ from .fwd import DTYPES, LOG2E, OperandSpec
 from .masking import SCAN_BLOCKS
 from .utils import acc_mn_view
 
+# Scan windows whose bitmaps are kept for the other heads of a group (Sq up to 64 * 31 blocks).
+CACHED_WINDOWS = 64
+
 
 @dataclass(frozen=True)
 class DbiasSpec:
@@ -352,6 +355,11 @@ class FlashBwd:
             cute.make_layout((2, self.num_warps), stride=(self.num_warps, 1)),
             4,
         )
+        # Scan bitmaps (visible, all-True) of the first CACHED_WINDOWS windows, reused by the
+        # other query heads of the group when they read the same mask head.
+        s_bits = smem.allocate_tensor(
+            cutlass.Int32, cute.make_layout((2, CACHED_WINDOWS), stride=(CACHED_WINDOWS, 1)), 4
+        )
         # Transposed views: the dV/dK GEMMs read P^T, dS^T, dO^T, Q^T; the dQ GEMM reads K^T.
         sPt = tiles.transposed(sP, tm, tn, st)
         sdSt = tiles.transposed(sdS, tm, tn, st)
@@ -464,8 +472,8 @@ class FlashBwd:
         if cutlass.const_expr(spec.deterministic):
             m_lo, m_hi = cutlass.Int32(0), num_m
         # state: [0] visible and [2] all-True bits of the current scan window, [1] the stage
-        # the next load fills
-        state = cute.make_rmem_tensor(3, cutlass.Int32)
+        # the next load fills, [3] the query block whose tiles that load already holds
+        state = cute.make_rmem_tensor(4, cutlass.Int32)
         thr_qkv = copy_qkv.get_slice(tidx)
 
         ctx = SimpleNamespace(
@@ -473,7 +481,7 @@ class FlashBwd:
             mdV=mdV, mMask=mMask, mBias=mBias, mdBias=mdBias, mSem=mSem, sK=sK, sV=sV, sQ=sQ,
             sdO=sdO, sops=sops, mm=mm, limits=limits, scores=scores, acc_dK=acc_dK,
             acc_dV=acc_dV, tScS=tScS, acc_shape_s=acc_shape_s, colsum=colsum, state=state,
-            s_words=s_words, s_colsum=s_colsum, copy_qkv=copy_qkv, thr_qkv=thr_qkv,
+            s_words=s_words, s_bits=s_bits, s_colsum=s_colsum, copy_qkv=copy_qkv, thr_qkv=thr_qkv,
             copy_out=copy_out, r2s=r2s, m_lo=m_lo, m_hi=m_hi, m_min=m_min, m_max=m_max,
             group=group, mask_head_div=mask_head_div, bias_head_div=bias_head_div, tidx=tidx,
             n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
@@ -499,7 +507,7 @@ class FlashBwd:
         thr_qkv, copy_qkv, copy_out = ctx.thr_qkv, ctx.copy_qkv, ctx.copy_out
         mK, mV, mdK, mdV, colsum = ctx.mK, ctx.mV, ctx.mdK, ctx.mdV, ctx.colsum
         m_lo, m_hi, m_min, m_max = ctx.m_lo, ctx.m_hi, ctx.m_min, ctx.m_max
-        sops, mm, tScS, s_words, s_colsum = ctx.sops, ctx.mm, ctx.tScS, ctx.s_words, ctx.s_colsum
+        sops, mm, tScS, s_bits, s_colsum = ctx.sops, ctx.mm, ctx.tScS, ctx.s_bits, ctx.s_colsum
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
 
@@ -540,34 +548,42 @@ class FlashBwd:
             )
             colsum.fill(0.0)
             state[1] = 0
+            state[3] = -1
+            cute.arch.sync_threads()  # the previous head's cached scan bitmaps are visible
             for m in cutlass.range(m_lo, m_hi, unroll=1):
                 j = (m - m_lo) % SCAN_BLOCKS
                 if j == 0:
                     visible = masking.range_bits(m, m_min, m_max)
                     full = cutlass.Int32(0)
                     if cutlass.const_expr(spec.mask is not None):
-                        seen, every = masking.scan_mask_blocks(
-                            scan, m, m_max, s_words, tidx, self.num_warps
-                        )
+                        seen, every = self.window_bits(ctx, scan, s_bits, hi, m)
                         visible = visible & seen
                         full = every & visible
                     state[0] = visible
                     state[2] = full
                     first = masking.next_set_bit(visible, -1)
-                    if first < SCAN_BLOCKS:
+                    # (without a mask the previous step may have prefetched it already)
+                    if first < SCAN_BLOCKS and m + first != state[3]:
                         self.load_step(ld, m + first, state[1], (full >> first) & 1)
                     cute.arch.cp_async_commit_group()
                 if ((state[0] >> j) & 1) != 0:
                     stage = state[1]
+                    # The next step: the next set bit of this window; without a mask simply the
+                    # next block, also across windows (all bits of a window are known ahead).
                     step = masking.next_set_bit(state[0], j) - j
                     has_next = (j + step < SCAN_BLOCKS) & (m + step < m_hi)
+                    if cutlass.const_expr(spec.mask is None):
+                        step = cutlass.Int32(1)
+                        has_next = m + 1 < m_max
+                    full_next = (state[2] >> (j + step)) & 1
                     cute.arch.cp_async_wait_group(0)
                     # "tiles landed": this step's tiles are in smem for every thread,
                     # and every thread is done with the stage the next load refills.
                     cute.arch.sync_threads()
                     if cutlass.const_expr(st == 2):
                         if has_next:
-                            self.load_step(ld, m + step, 1 - stage, (state[2] >> (j + step)) & 1)
+                            self.load_step(ld, m + step, 1 - stage, full_next)
+                            state[3] = m + step
                         cute.arch.cp_async_commit_group()
                         state[1] = 1 - stage
                     self.compute_step(
@@ -577,7 +593,8 @@ class FlashBwd:
                     if cutlass.const_expr(st == 1):
                         cute.arch.sync_threads()  # the single stage is no longer read
                         if has_next:
-                            self.load_step(ld, m + step, 0, (state[2] >> (j + step)) & 1)
+                            self.load_step(ld, m + step, 0, full_next)
+                            state[3] = m + step
                         cute.arch.cp_async_commit_group()
                 else:
                     if cutlass.const_expr(spec.deterministic):
@@ -609,6 +626,28 @@ class FlashBwd:
                     if row < seqlen_k and col < head_dim:
                         cute.copy(copy_out, tOrO[None, r, c], tOgO[None, r, c])
         cute.arch.sync_threads()  # sK / sV are read before the next fold reloads them
+
+    @cute.jit
+    def window_bits(self, ctx, scan, s_bits, hi, m_first):
+        """(visible, all-True) bits of the scan window starting at query block m_first: scanned,
+        or, for the group's later heads when the mask is shared by the group (Hm in {1, Hkv}),
+        read back from shared memory."""
+        w = (m_first - ctx.m_lo) // SCAN_BLOCKS
+        shared = ctx.mask_head_div % ctx.group == 0
+        seen = cutlass.Int32(0)
+        every = cutlass.Int32(0)
+        if hi > 0 and shared and w < CACHED_WINDOWS:
+            seen = s_bits[0, w]
+            every = s_bits[1, w]
+        else:
+            seen, every = masking.scan_mask_blocks(
+                scan, m_first, ctx.m_max, ctx.s_words, ctx.tidx, self.num_warps
+            )
+            # read by the later heads, after the barrier that starts each head
+            if w < CACHED_WINDOWS and ctx.tidx == 0:
+                s_bits[0, w] = seen
+                s_bits[1, w] = every
+        return seen, every
 
     def head_loads(self, ctx, b, h):
         """gmem -> smem partitions of the Q, dO, mask and bias tiles of query head h."""
