@@ -50,7 +50,7 @@ from .config import (
 )
 from .fwd import DTYPES, LOG2E, OperandSpec
 from .masking import SCAN_BLOCKS
-from .utils import acc_mn_view
+from .utils import acc_mn_view, red_add_f32x2
 
 # Scan windows whose bitmaps are kept for the other heads of a group (Sq up to 64 * 31 blocks).
 CACHED_WINDOWS = 64
@@ -94,6 +94,7 @@ class BwdSpec:
     deterministic: bool
     fold_batch: bool
     fold_heads: bool
+    vector_atomics: bool  # red.global.add.v2.f32 (sm_90)
 
     @staticmethod
     def build(
@@ -127,6 +128,7 @@ class BwdSpec:
             deterministic,
             fold_batch,
             fold_heads,
+            arch.startswith("sm_90"),
         )
 
     def smem_bytes(self) -> int:
@@ -860,8 +862,12 @@ class FlashBwd:
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         # "scores consumed": every thread's reads of the mask and bias tiles of this stage are
-        # done, so P and dS may overwrite them.
-        cute.arch.sync_threads()
+        # done, so P and dS may overwrite them (no such tile: nothing to wait for).
+        if cutlass.const_expr(spec.bias is not None):
+            cute.arch.sync_threads()
+        elif cutlass.const_expr(spec.mask is not None):
+            if mask_full == 0:
+                cute.arch.sync_threads()
         cute.copy(mm.r2s_sdp, mm.r2s_sdp.retile(rP), mm.tPsP[None, None, None, stage])
         cute.copy(mm.r2s_sdp, mm.r2s_sdp.retile(rdS), mm.tdSsdS[None, None, None, stage])
         cute.arch.sync_threads()  # P and dS complete in smem
@@ -889,15 +895,29 @@ class FlashBwd:
             cute.make_identity_tensor((limits.seqlen_q, out.mdQacc.shape[3])), (tm, dp),
             (m_block, 0),
         )  # fmt: skip
-        tdQgdQ = thr_dq.partition_C(gdQ)
-        tdQcdQ = thr_dq.partition_C(cdQ)
         if cutlass.const_expr(spec.deterministic):
             self.wait_turn(out, m_block, limits.n_block)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            row, col = tdQcdQ[i]
-            if row < limits.seqlen_q and col < out.mdQacc.shape[3]:
-                ptr = tdQgdQ.iterator + cute.crd2idx(i, tdQgdQ.layout)
-                cute.arch.atomic_add(ptr, acc_dQ[i] * scores.softmax_scale)
+        # Per row, pairs of adjacent columns (one red.v2 on sm_90); D is a multiple of 8, so a
+        # pair lies wholly inside or outside D.
+        dQ_mn = acc_mn_view(acc_dQ)
+        g_mn = acc_mn_view(thr_dq.partition_C(gdQ))
+        c_mn = acc_mn_view(thr_dq.partition_C(cdQ))
+        head_dim = out.mdQacc.shape[3]
+        for r in cutlass.range_constexpr(cute.size(dQ_mn.shape[0])):
+            if c_mn[r, 0][0] < limits.seqlen_q:
+                for c in cutlass.range_constexpr(0, cute.size(dQ_mn.shape[1]), 2):
+                    inside = cutlass.Boolean(True)
+                    if cutlass.const_expr(not spec.even_d):
+                        inside = c_mn[0, c][1] < head_dim
+                    if inside:
+                        ptr = g_mn.iterator + cute.crd2idx((r, c), g_mn.layout)
+                        lo = dQ_mn[r, c] * scores.softmax_scale
+                        hi = dQ_mn[r, c + 1] * scores.softmax_scale
+                        if cutlass.const_expr(spec.vector_atomics):
+                            red_add_f32x2(ptr, lo, hi)
+                        else:
+                            cute.arch.atomic_add(ptr, lo)
+                            cute.arch.atomic_add(ptr + 1, hi)
         if cutlass.const_expr(spec.deterministic):
             self.end_turn(out, m_block, limits.n_block)
 

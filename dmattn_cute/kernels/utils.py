@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -48,3 +50,22 @@ def quad_allreduce_sum(val: cutlass.Float32) -> cutlass.Float32:
     for offset in cutlass.range_constexpr(2):
         val = val + cute.arch.shuffle_sync_bfly(val, offset=2 >> offset)
     return val
+
+
+@dsl_user_op
+def red_add_f32x2(ptr: cute.Pointer, a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None):
+    """Atomically add (a, b) to two adjacent fp32 words in global memory (8-byte aligned), one
+    vector reduction with no result (sm_90+)."""
+    llvm.inline_asm(
+        None,
+        [
+            ptr.toint(loc=loc, ip=ip).ir_value(),
+            cutlass.Float32(a).ir_value(loc=loc, ip=ip),
+            cutlass.Float32(b).ir_value(loc=loc, ip=ip),
+        ],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
