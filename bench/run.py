@@ -249,6 +249,18 @@ def events_median(fn: Call) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def host_ms(fn: Call, calls: int = 20) -> float:
+    """CPU time to enqueue one call (no synchronization inside the loop): when it exceeds the
+    GPU time, the timed ms measure the host, not the kernels."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
 def peak_mib(fn: Call) -> float:
     """Memory one call allocates beyond what is live before it (its output included)."""
     torch.cuda.synchronize()
@@ -261,8 +273,9 @@ def peak_mib(fn: Call) -> float:
 
 def measure(
     candidates: Iterator[tuple[str, Call]], x: Inputs, mode: Mode, timer, errors: list[str]
-) -> tuple[Tensor, float, float, float, str] | None:
-    """(first output, ms, first-call s, peak MiB, note) of the first candidate that runs."""
+) -> tuple[Tensor, float, float, float, float, str] | None:
+    """(first output, ms, first-call s, host ms, peak MiB, note) of the first candidate that
+    runs."""
     # Broad excepts: one peer failing (compile error, OOM, missing package) must not end the run.
     try:
         for note, call in candidates:
@@ -276,7 +289,7 @@ def measure(
                 errors.append(f"{note or 'call'}: {_error(e)}")
                 torch.cuda.empty_cache()
                 continue
-            return out, timer(fn), first_s, peak_mib(fn), note
+            return out, timer(fn), first_s, host_ms(fn), peak_mib(fn), note
     except Exception as e:  # noqa: BLE001
         errors.append(_error(e))
         torch.cuda.empty_cache()
@@ -316,7 +329,7 @@ def bench_workload(
         notes.extend(f"{w.name}: {name}: {e}" for e in errors)
         if got is None:
             continue
-        out, ms, first_s, peak, note = got
+        out, ms, first_s, host, peak, note = got
         max_diff = rel = exec_tflops = None
         if name == OURS:
             ref = out
@@ -329,7 +342,7 @@ def bench_workload(
         times[w.name, name] = ms
         ours_ms = times.get((w.name, OURS))
         speedup = None if ours_ms is None else ms / ours_ms
-        values = (w.name, name, ms, flops / ms * 1e-9, exec_tflops, speedup, first_s, peak)
+        values = (w.name, name, ms, flops / ms * 1e-9, exec_tflops, speedup, first_s, host, peak)
         lines.append(table_row((*values, max_diff, rel, note)))
         print(lines[-1], flush=True)
     del x, ref
@@ -346,6 +359,7 @@ COLUMNS = {
     "TFLOP/s (executed)": ".1f",
     "ours speedup": ".2f",
     "first call s": ".2f",
+    "host ms": ".3f",
     "peak MiB": ".0f",
     "max diff vs ours": ".2e",
     "rel err": ".2e",
@@ -420,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         "- fwdbwd: forward + out.backward(dout); dq, dk, dv, and dbias where there is a bias",
         f"- timing: {timer_name}; the first call (compiles, warm-up) is reported apart",
         "- ours speedup: this row's time / ours (> 1: ours is faster)",
+        "- host ms: CPU time to enqueue one call; where it nears ms the row is host-bound",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
