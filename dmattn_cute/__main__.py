@@ -1,8 +1,9 @@
 """`python -m dmattn_cute`: a short end-to-end run of what this machine can do.
 
-On a CUDA GPU: a masked, biased forward checked against the float32 reference and timed.
-On a CPU-only machine: the reference path, then offline compiles of the forward kernel for
-every supported architecture (no GPU needed), saying so.
+On a CUDA GPU: a masked, biased forward checked against the float32 reference and timed, then
+forward + backward (with the bias gradient) timed. On a CPU-only machine: the reference path,
+then offline compiles of the forward and backward kernels for every supported architecture (no
+GPU needed), saying so.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.jit import SUPPORTED_ARCHS
+from dmattn_cute.kernels.bwd import BwdSpec, DbiasSpec
 from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
 from dmattn_cute.reference import attention_ref
 
@@ -35,20 +37,35 @@ def _gpu() -> None:
     ref, _ = attention_ref(q[:1, :512], k[:1], v[:1], mask[:1, :, :512], bias[:1])
     err = (out[:1, :512].float() - ref).abs().max().item()
     print(f"max |out - reference| on a slice: {err:.2e}")
+    flops = 4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.shape[3]
+    name = torch.cuda.get_device_name()
+    ms = _median_ms(lambda: flash_dmattn_func(q, k, v, mask, bias))
+    print(
+        f"{name}: forward B2 H16 Hkv4 S4096 D128 bf16, bias + mask (density 0.3): "
+        f"{ms:.3f} ms median, {flops / ms / 1e9:.1f} TFLOP/s dense-equivalent"
+    )
+    for t in (q, k, v, bias):
+        t.requires_grad_(True)
+    dout = torch.randn_like(q)
+    ms = _median_ms(lambda: flash_dmattn_func(q, k, v, mask, bias).backward(dout))
+    print(
+        f"{name}: forward + backward (dq, dk, dv, dbias), same problem: {ms:.3f} ms median, "
+        f"{3.5 * flops / ms / 1e9:.1f} TFLOP/s dense-equivalent"
+    )
+
+
+def _median_ms(fn) -> float:
+    """Median CUDA-event time of 20 calls, after one warm-up call (the compile)."""
+    fn()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     times = []
     for _ in range(20):
         events[0].record()
-        flash_dmattn_func(q, k, v, mask, bias)
+        fn()
         events[1].record()
         torch.cuda.synchronize()
         times.append(events[0].elapsed_time(events[1]))
-    ms = sorted(times)[len(times) // 2]
-    flops = 4 * q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] * q.shape[3]
-    print(
-        f"{torch.cuda.get_device_name()}: forward B2 H16 Hkv4 S4096 D128 bf16, bias + mask "
-        f"(density 0.3): {ms:.3f} ms median, {flops / ms / 1e9:.1f} TFLOP/s dense-equivalent"
-    )
+    return sorted(times)[len(times) // 2]
 
 
 def _cpu() -> None:
@@ -63,15 +80,25 @@ def _cpu() -> None:
     )
     mask_spec = OperandSpec("u8", ("d", "d", "d", "1"), 16)
     bias_spec = OperandSpec("bf16", ("d", "d", "0", "1"), 8)
+    dbias_spec = DbiasSpec("fp32", ("d", "d", "0", "1"), True, False, True)
     for arch in SUPPORTED_ARCHS:
-        spec = FwdSpec.build(arch, "bf16", 128, mask_spec, bias_spec, False, False)
-        start = time.perf_counter()
-        spec.compile(arch)
-        print(
-            f"compiled the forward (D=128, mask + bias) for {arch} offline in "
-            f"{time.perf_counter() - start:.1f} s: tile {spec.tile}, "
-            f"{spec.smem_bytes() // 1024} KiB shared memory"
+        specs = (
+            ("forward", FwdSpec.build(arch, "bf16", 128, mask_spec, bias_spec, False, False)),
+            (
+                "backward",
+                BwdSpec.build(
+                    arch, "bf16", 128, mask_spec, bias_spec, dbias_spec, False, False, False
+                ),
+            ),
         )
+        for kind, spec in specs:
+            start = time.perf_counter()
+            spec.compile(arch)
+            print(
+                f"compiled the {kind} (D=128, mask + bias) for {arch} offline in "
+                f"{time.perf_counter() - start:.1f} s: tile {spec.tile}, "
+                f"{spec.smem_bytes() // 1024} KiB shared memory"
+            )
 
 
 if __name__ == "__main__":
