@@ -13,7 +13,7 @@ from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.kernels.fwd_launch import flash_fwd
 from dmattn_cute.problem import make_problem
 from dmattn_cute.reference import attention_ref
-from tests.utils import check_close, random_inputs
+from tests.utils import SEQLENS, broadcast_shapes, check_close, random_inputs
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16]
@@ -38,24 +38,6 @@ def run_and_check(
     check_close("out", out, out_ref, out_lowp, q.dtype)
     check_close("lse", lse, lse_ref, lse_lowp.float(), q.dtype)
     return out, lse, out_ref, lse_ref
-
-
-SEQLENS = [
-    (1, 1),
-    (17, 63),
-    (63, 65),
-    (64, 64),
-    (65, 127),
-    (127, 128),
-    (128, 129),
-    (129, 255),
-    (255, 17),
-    (1000, 1000),
-    (1, 4095),
-    (4095, 1000),
-    (64, 4096),
-    (4096, 129),
-]
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
@@ -111,17 +93,7 @@ def test_gqa(heads, heads_kv):
     run_and_check(q, k, v, mask, bias)
 
 
-def _broadcast_shapes(b, hkv, h, sq, sk):
-    return [
-        (bb, hh, qq, kk)
-        for bb in (1, b)
-        for hh in sorted({1, hkv, h})
-        for qq in (1, sq)
-        for kk in (1, sk)
-    ]
-
-
-@pytest.mark.parametrize("shape", _broadcast_shapes(2, 2, 4, 70, 130))
+@pytest.mark.parametrize("shape", broadcast_shapes(2, 2, 4, 70, 130))
 def test_mask_broadcast(shape):
     q, k, v, mask, bias = random_inputs(
         2,
@@ -139,7 +111,7 @@ def test_mask_broadcast(shape):
     run_and_check(q, k, v, mask, bias)
 
 
-@pytest.mark.parametrize("shape", _broadcast_shapes(2, 2, 4, 70, 130))
+@pytest.mark.parametrize("shape", broadcast_shapes(2, 2, 4, 70, 130))
 def test_bias_broadcast(shape):
     q, k, v, mask, bias = random_inputs(
         2,

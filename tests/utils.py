@@ -5,6 +5,36 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# (Sq, Sk) pairs of the GPU tests: odd, tile-edge and long lengths, Sq != Sk, decode (Sq = 1).
+SEQLENS = [
+    (1, 1),
+    (17, 63),
+    (63, 65),
+    (64, 64),
+    (65, 127),
+    (127, 128),
+    (128, 129),
+    (129, 255),
+    (255, 17),
+    (1000, 1000),
+    (1, 4095),
+    (4095, 1000),
+    (64, 4096),
+    (4096, 129),
+]
+
+
+def broadcast_shapes(b: int, hkv: int, h: int, sq: int, sk: int) -> list[tuple[int, ...]]:
+    """Every [Bm, Hm, Qm, Km] a mask or bias may take for these sizes (SPEC.md)."""
+    return [
+        (bb, hh, qq, kk)
+        for bb in (1, b)
+        for hh in sorted({1, hkv, h})
+        for qq in (1, sq)
+        for kk in (1, sk)
+    ]
+
+
 # SPEC.md: relative error bound ||got - ref|| / ||ref|| per input dtype.
 REL_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
