@@ -1,4 +1,5 @@
-"""Compile support: target architecture of a device, per-arch limits, and the compile cache."""
+"""Compile support: target architecture of a device, per-arch limits, and the kernel cache
+(memory and disk)."""
 
 from dmattn_cute.jit.arch import (
     ARCH_ENV,
@@ -9,17 +10,29 @@ from dmattn_cute.jit.arch import (
     smem_capacity,
     target_arch,
 )
-from dmattn_cute.jit.cache import KernelSpec, compile_count, compiled
+from dmattn_cute.jit.cache import (
+    CACHE_ENV,
+    KernelSpec,
+    cache_dir,
+    clear_memory,
+    compile_count,
+    compiled,
+    load_count,
+)
 
 __all__ = [
     "ARCH_ENV",
+    "CACHE_ENV",
     "SUPPORTED_ARCHS",
     "KernelSpec",
     "arch_for_capability",
+    "cache_dir",
     "check_arch",
+    "clear_memory",
     "compile_count",
     "compile_options",
     "compiled",
+    "load_count",
     "smem_capacity",
     "target_arch",
 ]
