@@ -112,7 +112,7 @@ def _load(path: Path, key: str) -> Any | None:
     """The kernel exported at ``path``, or None (with a warning) if it cannot be loaded."""
     try:
         return getattr(cute.runtime.load_module(str(path)), _symbol(key))
-    except Exception as err:  # any failure to load means "compile it again"
+    except Exception as err:  # noqa: BLE001 - whatever fails to load is compiled again
         warnings.warn(
             f"dmattn_cute: recompiling the unreadable cache entry {path} ({err})",
             RuntimeWarning,
@@ -160,7 +160,9 @@ def compiled(spec: KernelSpec, arch: str) -> Any:
         kernel = _memory.get(key)
         if kernel is None:
             root = cache_dir()
-            kernel = _compile(spec, arch) if root is None else _from_disk_or_compile(spec, arch, root)
+            kernel = (
+                _compile(spec, arch) if root is None else _from_disk_or_compile(spec, arch, root)
+            )
             _memory[key] = kernel
     return kernel
 
