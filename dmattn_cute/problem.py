@@ -153,24 +153,17 @@ def _check_qkv(query: object, key: object, value: object) -> None:
             )
 
 
-def normalize_broadcast(
-    t: Tensor | None,
+def check_broadcast(
+    t: Tensor,
     name: str,
     batch: int,
     heads: int,
     heads_kv: int,
     seqlen_q: int,
     seqlen_k: int,
-) -> Tensor | None:
-    """A mask/bias as a 4-D [Bm, Hm, Qm, Km] view of the same storage, or None for None.
-
-    t: [Bm, Hm, Km] (Qm = 1) or [Bm, Hm, Qm, Km] with Bm in {1, B}, Hm in {1, Hkv, H},
-    Qm in {1, Sq}, Km in {1, Sk}; any strides (expanded stride-0 views included).
-    Size-1 dims get stride 0 so a kernel can index every dim alike; nothing is copied.
-    Raises ValueError naming `name` for a wrong rank or a dim that does not broadcast.
-    """
-    if t is None:
-        return None
+) -> None:
+    """Raises ValueError naming `name` unless t is [Bm, Hm, Km] (Qm = 1) or [Bm, Hm, Qm, Km]
+    with Bm in {1, B}, Hm in {1, Hkv, H}, Qm in {1, Sq}, Km in {1, Sk}."""
     if t.dim() not in (3, 4):
         raise ValueError(
             f"{name}: expected a 3-D [Bm, Hm, Km] or 4-D [Bm, Hm, Qm, Km] tensor, "
@@ -191,11 +184,36 @@ def normalize_broadcast(
                 f"{name}: expected dim {index} ({label}) to be {allowed_text}, got {size}"
             )
 
+
+def broadcast_view(t: Tensor) -> Tensor:
+    """t (3-D [Bm, Hm, Km] or 4-D) as a 4-D view of the same storage with stride 0 on its
+    size-1 dims, so a kernel indexes every dim alike; nothing is copied."""
     view = t.unsqueeze(2) if t.dim() == 3 else t
     strides = tuple(
         0 if size == 1 else stride for size, stride in zip(view.shape, view.stride(), strict=True)
     )
     return view.as_strided(view.shape, strides, view.storage_offset())
+
+
+def normalize_broadcast(
+    t: Tensor | None,
+    name: str,
+    batch: int,
+    heads: int,
+    heads_kv: int,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> Tensor | None:
+    """A mask/bias as a 4-D [Bm, Hm, Qm, Km] view of the same storage, or None for None.
+
+    t: [Bm, Hm, Km] (Qm = 1) or [Bm, Hm, Qm, Km] with Bm in {1, B}, Hm in {1, Hkv, H},
+    Qm in {1, Sq}, Km in {1, Sk}; any strides (expanded stride-0 views included).
+    Raises ValueError naming `name` for a wrong rank or a dim that does not broadcast.
+    """
+    if t is None:
+        return None
+    check_broadcast(t, name, batch, heads, heads_kv, seqlen_q, seqlen_k)
+    return broadcast_view(t)
 
 
 def _check_mask_bias(attn_mask: object, attn_bias: object, query: Tensor) -> None:
@@ -230,7 +248,7 @@ def _check_scalars(softmax_scale: object, softcap: object, head_dim: int) -> tup
     return float(softmax_scale), float(softcap)
 
 
-def make_problem(
+def check_problem(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -241,20 +259,20 @@ def make_problem(
     softcap: float,
     window_size: tuple[int, int],
     deterministic: bool,
-) -> tuple[Problem, Tensor | None, Tensor | None]:
+) -> Problem:
     """Validate one call of flash_dmattn_func (arguments as in SPEC.md) and describe it.
 
-    Returns the Problem and the mask and bias as 4-D [Bm, Hm, Qm, Km] views
-    (see normalize_broadcast), each None when not given. Raises TypeError for a wrong type or
-    dtype and ValueError for a wrong shape, value or device; nothing is launched or written.
+    Raises TypeError for a wrong type or dtype and ValueError for a wrong shape, value or
+    device; nothing is launched or written.
     """
     _check_qkv(query, key, value)
     batch, seqlen_q, num_heads, head_dim = _shape(query)
     seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
     _check_mask_bias(attn_mask, attn_bias, query)
     sizes = (batch, num_heads, num_heads_kv, seqlen_q, seqlen_k)
-    mask = normalize_broadcast(attn_mask, "attn_mask", *sizes)
-    bias = normalize_broadcast(attn_bias, "attn_bias", *sizes)
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None:
+            check_broadcast(t, name, *sizes)
     softmax_scale, softcap = _check_scalars(softmax_scale, softcap, head_dim)
     window_left, window_right = check_window_size(window_size)
     problem = Problem(
@@ -272,5 +290,31 @@ def make_problem(
         window_right=window_right,
         deterministic=check_bool("deterministic", deterministic),
     )
-    check_device(query.device)
+    # While torch.compile traces, the device is only described; the op checks it again
+    # before it launches anything.
+    if not torch.compiler.is_compiling():
+        check_device(query.device)
+    return problem
+
+
+def make_problem(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    attn_bias: Tensor | None,
+    softmax_scale: float | None,
+    is_causal: bool,
+    softcap: float,
+    window_size: tuple[int, int],
+    deterministic: bool,
+) -> tuple[Problem, Tensor | None, Tensor | None]:
+    """check_problem, plus the mask and bias as 4-D [Bm, Hm, Qm, Km] views (see
+    broadcast_view), each None when not given."""
+    problem = check_problem(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+        window_size, deterministic,
+    )  # fmt: skip
+    mask = None if attn_mask is None else broadcast_view(attn_mask)
+    bias = None if attn_bias is None else broadcast_view(attn_bias)
     return problem, mask, bias

@@ -88,12 +88,26 @@ def attention_ref(
     out 0, lse -inf and exactly zero gradients. Differentiable in query, key, value and
     attn_bias; the bias gradient comes back in attn_bias's own shape and dtype.
     """
-    batch, seqlen_q, num_heads, head_dim = query.shape
-    seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
+        softmax_scale = 1.0 / math.sqrt(query.shape[-1])
     matmul_dtype = compute_dtype or query.dtype
     softmax_dtype = compute_dtype or torch.float32
+    _, _, v, probs, lse, _ = _probabilities(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap, window_size,
+        matmul_dtype, softmax_dtype,
+    )  # fmt: skip
+    out = probs.to(matmul_dtype) @ v  # [B, H, Sq, D]
+    return out.transpose(1, 2), lse
+
+
+def _probabilities(
+    query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap, window_size,
+    matmul_dtype, softmax_dtype,
+):  # fmt: skip
+    """q, k, v as [B, H, S, D] in matmul_dtype, the attention probabilities [B, H, Sq, Sk], lse
+    [B, H, Sq] and the softcap's tanh (None without softcap), all as autograd-tracked ops."""
+    batch, seqlen_q, num_heads, _ = query.shape
+    seqlen_k, num_heads_kv = key.shape[1], key.shape[2]
     group = num_heads // num_heads_kv
 
     q = query.to(matmul_dtype).transpose(1, 2)  # [B, H, Sq, D]
@@ -101,8 +115,10 @@ def attention_ref(
     v = value.to(matmul_dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, Sk, D]
 
     scores = (q @ k.transpose(-1, -2)).to(softmax_dtype) * softmax_scale  # [B, H, Sq, Sk]
+    capped = None
     if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
+        capped = torch.tanh(scores / softcap)
+        scores = softcap * capped
     if attn_bias is not None:
         scores = scores + _per_query_head(attn_bias, num_heads).to(softmax_dtype)
     visible = visible_mask(
@@ -121,6 +137,64 @@ def attention_ref(
     row_sum = row_sum.masked_fill(empty, 1.0)
     probs = weights / row_sum
     lse = (row_max + torch.log(row_sum)).masked_fill(empty, float("-inf")).squeeze(-1)
+    return q, k, v, probs, lse, capped
 
-    out = probs.to(matmul_dtype) @ v  # [B, H, Sq, D]
-    return out.transpose(1, 2), lse
+
+def _sum_to_shape(t: Tensor, shape: torch.Size) -> Tensor:
+    """t [B, H, Sq, Sk] summed down to a mask/bias shape (3-D or 4-D, broadcast, Hm = Hkv)."""
+    shape4 = (shape[0], shape[1], 1, shape[2]) if len(shape) == 3 else tuple(shape)
+    batch, heads = t.shape[:2]
+    if shape4[1] not in (1, heads):  # Hkv: sum the query heads of each group
+        t = t.view(batch, shape4[1], heads // shape4[1], *t.shape[2:]).sum(2)
+    dims = [d for d in range(4) if shape4[d] == 1 and t.shape[d] != 1]
+    t = t.sum(dims, keepdim=True) if dims else t
+    return t.reshape(shape)
+
+
+def attention_ref_backward(
+    dout: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    attn_bias: Tensor | None,
+    softmax_scale: float,
+    is_causal: bool,
+    softcap: float,
+    window_size: tuple[int, int],
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """dq, dk, dv and (bias_grad) dbias of ``attention_ref(..., compute_dtype=float32)``,
+    written out (no autograd), computed in float32 and returned in the inputs' shapes and
+    dtypes. For callers that cannot use autograd, e.g. a torch.library op's implementation.
+    """
+    f32 = torch.float32
+    q, k, v, probs, _, capped = _probabilities(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap, window_size,
+        f32, f32,
+    )  # fmt: skip
+    do = dout.to(f32).transpose(1, 2)  # [B, H, Sq, D]
+    dv = probs.transpose(-1, -2) @ do  # [B, H, Sk, D]
+    dprobs = do @ v.transpose(-1, -2)
+    # Softmax backward: dS = P * (dP - rowsum(P * dP)); zero on masked keys and empty rows.
+    dscores = probs * (dprobs - (probs * dprobs).sum(-1, keepdim=True))
+    dbias = None
+    if bias_grad and attn_bias is not None:
+        dbias = _sum_to_shape(dscores, attn_bias.shape).to(attn_bias.dtype)
+    if capped is not None:
+        dscores = dscores * (1 - capped.square())
+    dq = dscores @ k * softmax_scale
+    dk = dscores.transpose(-1, -2) @ q * softmax_scale
+    batch, heads, seqlen_k, head_dim = dk.shape
+    heads_kv = key.shape[2]
+
+    def per_kv_head(t: Tensor) -> Tensor:  # [B, H, Sk, D] -> [B, Sk, Hkv, D]
+        t = t.view(batch, heads_kv, heads // heads_kv, seqlen_k, head_dim).sum(2)
+        return t.transpose(1, 2)
+
+    return (
+        dq.transpose(1, 2).to(query.dtype),
+        per_kv_head(dk).to(key.dtype),
+        per_kv_head(dv).to(value.dtype),
+        dbias,
+    )

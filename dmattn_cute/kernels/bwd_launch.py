@@ -12,7 +12,7 @@ import torch
 
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
-from ..problem import Problem
+from ..problem import Problem, broadcast_view
 from .bwd import BwdSpec, DbiasSpec
 from .bwd_pre import bwd_preprocess
 from .fwd import DTYPES
@@ -26,12 +26,6 @@ from .fwd_launch import (
     _scalars,
     _stride_kind,
 )
-
-
-def _broadcast_view(t: torch.Tensor) -> torch.Tensor:
-    """t with stride 0 on its size-1 dims, so a kernel indexes every dim alike."""
-    strides = tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride(), strict=True))
-    return t.as_strided(t.shape, strides)
 
 
 def dbias_plan(problem: Problem, bias_shape: torch.Size) -> tuple[str, bool, bool]:
@@ -153,7 +147,7 @@ def flash_bwd(
             dbias_buf = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         else:
             dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
-    dbias_view = None if dbias_buf is None else _broadcast_view(dbias_buf)
+    dbias_view = None if dbias_buf is None else broadcast_view(dbias_buf)
 
     arch = target_arch(q.device)
     spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, tuple(fold), arch)

@@ -1,0 +1,177 @@
+"""The torch.library ops ``dmattn_cute::fwd`` and ``dmattn_cute::bwd``.
+
+They make the attention a single opaque node for autograd, FakeTensor/meta tracing and
+``torch.compile``: the fake implementations give the exact output shapes, dtypes and strides
+without running anything, and the forward op's autograd formula calls the backward op.
+On CUDA tensors the ops launch the CuTe kernels; on other devices they run the float32
+reference (the backward differentiates it), so the same graph works on a CPU.
+
+mask and bias are passed as the caller gave them (3-D or 4-D, broadcast, expanded): the ops
+normalize them, and dbias comes back in the bias's own shape and dtype. Ops cannot return an
+optional tensor, so a dbias that was not asked for is an empty tensor (no attention-sized
+allocation), which the autograd formula turns into None.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dmattn_cute.kernels.bwd_launch import flash_bwd
+from dmattn_cute.kernels.fwd_launch import flash_fwd
+from dmattn_cute.problem import Problem, make_problem
+from dmattn_cute.reference import attention_ref, attention_ref_backward
+
+
+def _problem(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    attn_bias: Tensor | None,
+    softmax_scale: float,
+    is_causal: bool,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[Problem, Tensor | None, Tensor | None]:
+    return make_problem(
+        query,
+        key,
+        value,
+        attn_mask,
+        attn_bias,
+        softmax_scale,
+        is_causal,
+        softcap,
+        (window_left, window_right),
+        deterministic,
+    )
+
+
+def _reference(query, key, value, attn_mask, attn_bias, problem: Problem) -> tuple[Tensor, Tensor]:
+    out, lse = attention_ref(
+        query,
+        key,
+        value,
+        attn_mask,
+        attn_bias,
+        problem.softmax_scale,
+        problem.is_causal,
+        problem.softcap,
+        (problem.window_left, problem.window_right),
+        compute_dtype=torch.float32,
+    )
+    return out.to(query.dtype), lse
+
+
+@torch.library.custom_op("dmattn_cute::fwd", mutates_args=())
+def attention_fwd(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    attn_bias: Tensor | None,
+    softmax_scale: float,
+    is_causal: bool,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    """out [B, Sq, H, D] (query's dtype) and lse [B, H, Sq] float32, both contiguous.
+
+    ``deterministic`` does not change the forward; it is carried to the backward op.
+    """
+    problem, mask, bias = _problem(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+        window_left, window_right, deterministic,
+    )  # fmt: skip
+    if query.device.type == "cuda":
+        return flash_fwd(problem, query, key, value, mask, bias)
+    out, lse = _reference(query, key, value, attn_mask, attn_bias, problem)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(query, key, value, attn_mask, attn_bias, *_) -> tuple[Tensor, Tensor]:
+    batch, seqlen_q, heads, _ = query.shape
+    out = query.new_empty(query.shape)
+    lse = query.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("dmattn_cute::bwd", mutates_args=())
+def attention_bwd(
+    dout: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    attn_bias: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    softmax_scale: float,
+    is_causal: bool,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+    deterministic: bool,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (shapes and dtypes of query, key, value) and dbias (attn_bias's shape and
+    dtype when ``bias_grad``, else an empty tensor), all contiguous."""
+    problem, mask, bias = _problem(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+        window_left, window_right, deterministic,
+    )  # fmt: skip
+    bias_grad = bias_grad and attn_bias is not None
+    if query.device.type == "cuda":
+        dq, dk, dv, dbias = flash_bwd(
+            problem, dout, query, key, value, mask, bias, out, lse, bias_grad
+        )
+        return dq, dk, dv, dbias if bias_grad else query.new_empty(0)
+    dq, dk, dv, dbias = attention_ref_backward(
+        dout, query, key, value, attn_mask, attn_bias, problem.softmax_scale, problem.is_causal,
+        problem.softcap, (problem.window_left, problem.window_right), bias_grad,
+    )  # fmt: skip
+    dbias = dbias.contiguous() if bias_grad else query.new_empty(0)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(
+    dout, query, key, value, attn_mask, attn_bias, out, lse, *flags
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    bias_grad = flags[-1] and attn_bias is not None
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else query.new_empty(0)
+    return (
+        query.new_empty(query.shape),
+        key.new_empty(key.shape),
+        value.new_empty(value.shape),
+        dbias,
+    )
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    query, key, value, attn_mask, attn_bias, *params = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, attn_bias, out, lse)
+    ctx.params = params
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    query, key, value, attn_mask, attn_bias, out, lse = ctx.saved_tensors
+    bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, dbias = attention_bwd(
+        dout, query, key, value, attn_mask, attn_bias, out, lse, *ctx.params, bias_grad
+    )
+    # No gradient for the mask or the scalar arguments.
+    return dq, dk, dv, None, dbias if bias_grad else None, *([None] * len(ctx.params))
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+__all__ = ["attention_bwd", "attention_fwd"]
