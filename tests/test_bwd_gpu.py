@@ -11,55 +11,10 @@ import pytest
 import torch
 
 from dmattn_cute.attention import flash_dmattn_func
-from dmattn_cute.reference import attention_ref
-from tests.utils import SEQLENS, broadcast_shapes, check_close, random_inputs
+from tests.utils import SEQLENS, broadcast_shapes, grads_and_check, leaves, random_inputs
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-def _leaves(tensors, dtype=None):
-    return [
-        None if t is None else t.detach().to(dtype or t.dtype).requires_grad_(t.is_floating_point())
-        for t in tensors
-    ]
-
-
-def grads_and_check(q, k, v, mask=None, bias=None, *, bias_grad=True, **kwargs):
-    """Kernel gradients vs the fp32 and low-precision reference gradients; returns the kernel's
-    (dq, dk, dv, dbias, out) and the fp32 reference's gradients."""
-    dout = torch.randn_like(q)
-    q1, k1, v1 = _leaves((q, k, v))
-    b1 = None if bias is None else bias.detach().clone().requires_grad_(bias_grad)
-    out = flash_dmattn_func(q1, k1, v1, mask, b1, **kwargs)
-    out.backward(dout)
-    got = [q1.grad, k1.grad, v1.grad, None if b1 is None else b1.grad]
-
-    kwargs.pop("deterministic", None)
-    refs = []
-    for dtype in (torch.float32, None):
-        q2, k2, v2 = _leaves((q, k, v), dtype)
-        b2 = None if bias is None else _leaves((bias,), dtype)[0]
-        compute = torch.float32 if dtype is not None else None
-        out_ref, _ = attention_ref(q2, k2, v2, mask, b2, compute_dtype=compute, **kwargs)
-        out_ref.backward(dout.to(out_ref.dtype))
-        refs.append([q2.grad, k2.grad, v2.grad, None if b2 is None else b2.grad])
-    ref, lowp = refs
-    for name, g, r, lp in zip(("dq", "dk", "dv"), got[:3], ref[:3], lowp[:3], strict=True):
-        assert g.dtype == q.dtype and g.shape == r.shape, name
-        check_close(name, g, r, lp, q.dtype)
-    if bias is not None and bias_grad:
-        assert got[3].shape == bias.shape and got[3].dtype == bias.dtype
-        if bias.shape[-1] == 1:
-            # A key-broadcast bias shifts whole rows: its gradient is exactly 0 (the reference
-            # shows rounding noise only).
-            assert torch.equal(got[3], torch.zeros_like(got[3]))
-            assert ref[3].abs().max() < 1e-3 * max(ref[0].abs().max().item(), 1.0)
-        else:
-            check_close("dbias", got[3], ref[3], lowp[3].float(), q.dtype)
-    elif bias is not None:
-        assert got[3] is None
-    return got, ref
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS)
@@ -209,7 +164,7 @@ def test_deterministic_bitwise(bias_shape):
     dout = torch.randn_like(q)
     first = None
     for _ in range(100):
-        q1, k1, v1 = _leaves((q, k, v))
+        q1, k1, v1 = leaves((q, k, v))
         b1 = bias.detach().clone().requires_grad_()
         flash_dmattn_func(q1, k1, v1, mask, b1, deterministic=True, is_causal=True).backward(dout)
         grads = (q1.grad, k1.grad, v1.grad, b1.grad)

@@ -109,6 +109,42 @@ def example_args(spec: BwdSpec) -> list:
             cuda.CUstream(0)]  # fmt: skip
 
 
+def _dbias_buffers(
+    problem: Problem, bias: torch.Tensor | None, bias_grad: bool
+) -> tuple[str, tuple[bool, bool], torch.Tensor | None, torch.Tensor | None]:
+    """(kind, fold, dbias, dbias_buf): the dbias returned to the caller and the buffer the
+    kernel writes (the same tensor for "direct"), both zeroed; None where there is none."""
+    if bias is None or not bias_grad:
+        return "zero", (False, False), None, None
+    kind, *fold = dbias_plan(problem, bias.shape)
+    dbias = dbias_buf = None
+    if kind == "direct":
+        # Zeroed: tiles that causal/window ranges or all-False mask tiles skip are never
+        # written by the kernel.
+        dbias = dbias_buf = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+    elif kind == "sum":
+        dbias_buf = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    else:
+        dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+    return kind, tuple(fold), dbias, dbias_buf
+
+
+def backward_spec_of(
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bias_grad: bool,
+    arch: str,
+) -> BwdSpec:
+    """The backward variant a call runs (mask/bias: normalized 4-D views; tensors may be on
+    the meta device, e.g. to list variants for an offline compile)."""
+    mask_k = None if mask is None else _operand_view(mask)
+    bias_k = None if bias is None else _operand_view(bias)
+    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad)
+    dbias_view = None if dbias_buf is None else broadcast_view(dbias_buf)
+    return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
+
+
 def flash_bwd(
     problem: Problem,
     dout: torch.Tensor,
@@ -133,24 +169,11 @@ def flash_bwd(
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-
-    dbias = dbias_buf = None
-    kind, fold = "zero", (False, False)
-    if bias is not None and bias_grad:
-        kind, *fold = dbias_plan(problem, bias.shape)
-        if kind == "direct":
-            # Zeroed: tiles that causal/window ranges or all-False mask tiles skip are never
-            # written by the kernel.
-            dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
-            dbias_buf = dbias
-        elif kind == "sum":
-            dbias_buf = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        else:
-            dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+    kind, fold, dbias, dbias_buf = _dbias_buffers(problem, bias, bias_grad)
     dbias_view = None if dbias_buf is None else broadcast_view(dbias_buf)
 
     arch = target_arch(q.device)
-    spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, tuple(fold), arch)
+    spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
     sem = None
     if problem.deterministic:
         num_m = -(-problem.seqlen_q // spec.tile.tile_m)
@@ -182,4 +205,4 @@ def flash_bwd(
     return dq_acc.to(q.dtype), dk, dv, dbias
 
 
-__all__ = ["bwd_spec", "dbias_plan", "example_args", "flash_bwd"]
+__all__ = ["backward_spec_of", "bwd_spec", "dbias_plan", "example_args", "flash_bwd"]

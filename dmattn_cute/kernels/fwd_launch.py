@@ -67,6 +67,16 @@ def _cute_tensor(t: torch.Tensor, align: int):
     return tensor.mark_layout_dynamic(leading_dim=unit[0] if unit else None)
 
 
+def forward_spec_of(
+    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+) -> FwdSpec:
+    """The forward variant a call runs (mask/bias: normalized 4-D views; tensors may be on the
+    meta device, e.g. to list variants for an offline compile)."""
+    mask = None if mask is None else _operand_view(mask)
+    bias = None if bias is None else _operand_view(bias)
+    return fwd_spec(problem, mask, bias, arch)
+
+
 def fwd_spec(
     problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
 ) -> FwdSpec:
@@ -172,17 +182,18 @@ def flash_fwd(
     q, k, v = _qkv_view(q), _qkv_view(k), _qkv_view(v)
     mask = None if mask is None else _operand_view(mask)
     bias = None if bias is None else _operand_view(bias)
+    arch = target_arch(q.device)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
         lse = torch.empty(
             problem.batch, problem.num_heads, problem.seqlen_q, dtype=torch.float32, device=q.device
         )
-    spec = fwd_spec(problem, mask, bias, target_arch(q.device))
-    kernel = compiled(spec, target_arch(q.device))
+    spec = fwd_spec(problem, mask, bias, arch)
+    kernel = compiled(spec, arch)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel(*_args(spec, q, k, v, out, lse, mask, bias, _scalars(problem, mask, bias), stream))
     return out, lse
 
 
-__all__ = ["example_args", "flash_fwd", "fwd_spec"]
+__all__ = ["example_args", "flash_fwd", "forward_spec_of", "fwd_spec"]

@@ -1,0 +1,250 @@
+"""Offline compile of the kernels into the disk cache; no GPU needed.
+
+    python -m dmattn_cute.precompile --arch sm_89 [--head-dims 64 128] [--dtypes bf16 fp16]
+        [--cache-dir DIR] [--softcap] [--deterministic] [--jobs N] [--list]
+
+The variants are those that the common call patterns below run, found by planning each call on
+meta tensors through the same code the launches use, so a GPU of that architecture later
+loads every one of them from the cache with zero compiles. Other calls (odd key lengths,
+other broadcast shapes, ...) compile on first use and are cached then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from dmattn_cute.jit import cache
+from dmattn_cute.jit.arch import SUPPORTED_ARCHS
+from dmattn_cute.kernels.bwd_launch import backward_spec_of
+from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
+from dmattn_cute.kernels.fwd_launch import forward_spec_of
+from dmattn_cute.problem import make_problem
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_HEAD_DIMS = (64, 128)
+# Sizes the variants are planned at: a batch > 1 and key lengths that are multiples of 64,
+# so masks and biases get their widest vector loads (what training shapes get).
+BATCH, SEQLEN = 2, 1024
+
+# mask / bias layouts: "kv" [B, Hkv, Sq, Sk], "full" [B, H, Sq, Sk], "key" bias [B, Hkv, Sk]
+# (one value per key, shared by all queries, as DynamicMaskAttention builds it).
+OPERANDS = {
+    "dense": (None, None),
+    "mask": ("kv", None),
+    "key-bias": (None, "key"),
+    "mask+key-bias": ("kv", "key"),
+    "full-bias": (None, "full"),
+    "full-mask+full-bias": ("full", "full"),
+}
+# Heads (H, Hkv): with a per-kv-head bias, MHA writes dbias directly and GQA sums into it.
+HEADS = ((8, 8), (8, 2))
+
+
+@dataclass(frozen=True)
+class CallPattern:
+    """One kind of flash_dmattn_func call; `inputs` builds its tensors."""
+
+    dtype: str
+    head_dim: int
+    operands: str
+    heads: tuple[int, int]
+    is_causal: bool
+    softcap: float = 0.0
+    deterministic: bool = False
+
+    def inputs(self, device: str | torch.device = "meta", seqlen: int = SEQLEN):
+        """q, k, v, attn_mask, attn_bias (random unless on the meta device)."""
+        dtype, (heads, heads_kv) = DTYPES[self.dtype], self.heads
+        mask_kind, bias_kind = OPERANDS[self.operands]
+        meta = torch.device(device).type == "meta"
+        make = torch.empty if meta else torch.randn
+
+        def make_layout(kind: str, dtype: torch.dtype) -> torch.Tensor:
+            shape = {
+                "kv": (BATCH, heads_kv, seqlen, seqlen),
+                "full": (BATCH, heads, seqlen, seqlen),
+                "key": (BATCH, heads_kv, seqlen),
+            }[kind]
+            if dtype == torch.bool:
+                return (
+                    torch.empty(shape, device=device, dtype=dtype)
+                    if meta
+                    else (torch.rand(shape, device=device) > 0.5)
+                )
+            return make(shape, device=device, dtype=dtype)
+
+        q = make(BATCH, seqlen, heads, self.head_dim, device=device, dtype=dtype)
+        k = make(BATCH, seqlen, heads_kv, self.head_dim, device=device, dtype=dtype)
+        v = make(BATCH, seqlen, heads_kv, self.head_dim, device=device, dtype=dtype)
+        mask = None if mask_kind is None else make_layout(mask_kind, torch.bool)
+        bias = None if bias_kind is None else make_layout(bias_kind, dtype)
+        return q, k, v, mask, bias
+
+    def options(self) -> dict:
+        return {
+            "is_causal": self.is_causal,
+            "softcap": self.softcap,
+            "deterministic": self.deterministic,
+        }
+
+    def __str__(self) -> str:
+        flags = [f"H{self.heads[0]}/{self.heads[1]}"]
+        flags += [name for name, on in (("causal", self.is_causal),
+                                        ("softcap", self.softcap > 0),
+                                        ("deterministic", self.deterministic)) if on]  # fmt: skip
+        return f"{self.dtype} d{self.head_dim} {self.operands} {' '.join(flags)}"
+
+
+def call_patterns(
+    dtypes=tuple(DTYPES), head_dims=DEFAULT_HEAD_DIMS, softcap=False, deterministic=False
+) -> list[CallPattern]:
+    """The call patterns precompiled by default (plus softcap / deterministic when asked)."""
+    softcaps = (0.0, 30.0) if softcap else (0.0,)
+    dets = (False, True) if deterministic else (False,)
+    return [
+        CallPattern(dtype, head_dim, operands, heads, causal, cap, det)
+        for dtype in dtypes
+        for head_dim in head_dims
+        for operands in OPERANDS
+        for heads in HEADS
+        for causal in (False, True)
+        for cap in softcaps
+        for det in dets
+    ]
+
+
+def kernel_specs(pattern: CallPattern, arch: str, device: str = "meta") -> list[tuple[str, object]]:
+    """(kind, spec) of every kernel a call of `pattern` runs, forward and backward, planned on
+    tensors of `device`."""
+    q, k, v, mask, bias = pattern.inputs(device)
+    problem, mask4, bias4 = make_problem(
+        q, k, v, mask, bias, None, pattern.is_causal, pattern.softcap, (-1, -1),
+        pattern.deterministic,
+    )  # fmt: skip
+    return [
+        ("fwd", forward_spec_of(problem, mask4, bias4, arch)),
+        ("bwd_pre", BwdPreprocessSpec.for_problem(problem.dtype, problem.head_dim)),
+        ("bwd", backward_spec_of(problem, mask4, bias4, bias is not None, arch)),
+    ]
+
+
+def variants(arch: str, patterns: list[CallPattern]) -> list[tuple[str, object]]:
+    """(label, spec) of each distinct kernel the patterns run on `arch`, in first-use order."""
+    seen: dict[object, str] = {}
+    for pattern in patterns:
+        for kind, spec in kernel_specs(pattern, arch):
+            seen.setdefault(spec, f"{kind} {pattern}")
+    return [(label, spec) for spec, label in seen.items()]
+
+
+def _compile_one(spec: object, arch: str) -> tuple[int, int]:
+    """Compiles (or loads) one spec into the disk cache; (compiles, loads) it took."""
+    compiles, loads = cache.compile_count(), cache.load_count()
+    cache.compiled(spec, arch)
+    return cache.compile_count() - compiles, cache.load_count() - loads
+
+
+class _Progress:
+    def __init__(self, total: int, stream=sys.stderr) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+        self.tty = stream.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = width * self.done // self.total
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
+        if self.tty:
+            self.stream.write(f"\r\033[K{line}")
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def precompile(
+    arch: str, patterns: list[CallPattern], jobs: int = 1, progress: bool = True
+) -> dict[str, int]:
+    """Fills the disk cache with every variant of `patterns` on `arch`.
+
+    Returns counts: variants, compiled (new entries), cached (entries that were there)."""
+    if cache.cache_dir() is None:
+        raise ValueError(f"the disk cache is off (${cache.CACHE_ENV}); nothing to fill")
+    todo = variants(arch, patterns)
+    bar = _Progress(len(todo)) if progress else None
+    compiled = cached = 0
+    if jobs <= 1:
+        results = (_compile_one(spec, arch) for _, spec in todo)
+        executor = None
+    else:
+        # Separate processes: the DSL allows one compile at a time per process.
+        executor = ProcessPoolExecutor(jobs, mp_context=get_context("spawn"))
+        results = executor.map(_compile_one, [s for _, s in todo], [arch] * len(todo))
+    try:
+        for (label, _), (new, loaded) in zip(todo, results, strict=True):
+            compiled += new
+            cached += loaded
+            if bar:
+                bar.step(label)
+    finally:
+        if executor is not None:
+            executor.shutdown()
+    return {"variants": len(todo), "compiled": compiled, "cached": cached}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dmattn_cute.precompile",
+        description="Compile dmattn_cute's kernels for a GPU architecture into the disk cache "
+        "(no GPU needed). Loading them later on a GPU of that architecture takes milliseconds.",
+    )
+    parser.add_argument("--arch", required=True, choices=SUPPORTED_ARCHS)
+    parser.add_argument(
+        "--head-dims", type=int, nargs="+", default=list(DEFAULT_HEAD_DIMS), metavar="D"
+    )
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        help=f"cache directory (default: ${cache.CACHE_ENV}, else the user cache dir)",
+    )
+    parser.add_argument("--softcap", action="store_true", help="also softcap variants")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="also deterministic backward variants"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="compile in N processes")
+    parser.add_argument("--list", action="store_true", help="list the variants, compile none")
+    args = parser.parse_args(argv)
+    for head_dim in args.head_dims:
+        if not (0 < head_dim <= 256 and head_dim % 8 == 0):
+            parser.error(f"--head-dims: expected multiples of 8 in [8, 256], got {head_dim}")
+    if args.cache_dir is not None:
+        os.environ[cache.CACHE_ENV] = str(args.cache_dir)
+
+    patterns = call_patterns(args.dtypes, args.head_dims, args.softcap, args.deterministic)
+    if args.list:
+        for label, spec in variants(args.arch, patterns):
+            print(f"{label}: {spec}")
+        return 0
+    start = time.perf_counter()
+    counts = precompile(args.arch, patterns, args.jobs)
+    print(
+        f"{args.arch}: {counts['variants']} kernel variants, {counts['compiled']} compiled, "
+        f"{counts['cached']} already cached, in {time.perf_counter() - start:.1f} s -> "
+        f"{cache.cache_dir()}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The precompile CLI and the Docker image's build step (CPU: offline compiles only)."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmattn_cute import precompile
+from dmattn_cute.jit import cache
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+def _dockerfile_precompile() -> tuple[list[str], str]:
+    """The precompile command of the Dockerfile's RUN step (argv after -m) and its ENV cache."""
+    text = DOCKERFILE.read_text()
+    runs = re.findall(r"^RUN (python -m dmattn_cute\.precompile .*)$", text, re.MULTILINE)
+    assert len(runs) == 1, "the Dockerfile must RUN the precompile CLI once"
+    env = re.search(r"DMATTN_CUTE_CACHE_DIR=(\S+)", text)
+    assert env, "the Dockerfile must set DMATTN_CUTE_CACHE_DIR for run time"
+    return shlex.split(runs[0])[3:], env.group(1)
+
+
+def _run_cli(args: list[str], cache_dir: Path) -> str:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # as in a docker build: no GPU
+    result = subprocess.run(
+        [sys.executable, "-m", "dmattn_cute.precompile", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "/" in result.stderr  # the progress bar
+    return result.stdout
+
+
+def test_dockerfile_uses_the_cli_for_sm89() -> None:
+    args, env_cache = _dockerfile_precompile()
+    assert args[args.index("--arch") + 1] == "sm_89"
+    # The image's run-time cache is where the build step wrote.
+    assert args[args.index("--cache-dir") + 1] == env_cache
+
+
+@pytest.mark.compile
+def test_dockerfile_step_fills_the_cache_then_hits_it(tmp_path: Path) -> None:
+    """Runs the Dockerfile's precompile step (into a temp dir), then again: no compiles."""
+    args, _ = _dockerfile_precompile()
+    args[args.index("--cache-dir") + 1] = str(tmp_path)
+    first = _run_cli(args, tmp_path)
+    total = len(precompile.variants("sm_89", _patterns_of(args)))
+    assert f"sm_89: {total} kernel variants, {total} compiled, 0 already cached" in first
+    assert len(list(tmp_path.rglob("*.o"))) == total
+    print(f"\n{first.strip()}")
+
+    second = _run_cli(args, tmp_path)
+    assert f"sm_89: {total} kernel variants, 0 compiled, {total} already cached" in second
+    print(second.strip())
+
+
+def _patterns_of(args: list[str]) -> list[precompile.CallPattern]:
+    def values(flag: str) -> list[str]:
+        i = args.index(flag) + 1
+        out = []
+        while i < len(args) and not args[i].startswith("--"):
+            out.append(args[i])
+            i += 1
+        return out
+
+    return precompile.call_patterns(values("--dtypes"), [int(d) for d in values("--head-dims")])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
+def test_variants_are_what_real_calls_plan(arch: str) -> None:
+    """Planning on meta tensors gives the specs that real tensors of the pattern give."""
+    for pattern in precompile.call_patterns(["bf16"], [64], softcap=True, deterministic=True):
+        meta = precompile.kernel_specs(pattern, arch)
+        real = precompile.kernel_specs(pattern, arch, device="cpu")
+        assert meta == real, str(pattern)
+
+
+def test_default_variants_cover_every_pattern_and_kernel() -> None:
+    patterns = precompile.call_patterns()
+    labels = [label for label, _ in precompile.variants("sm_89", patterns)]
+    assert {label.split()[0] for label in labels} == {"fwd", "bwd_pre", "bwd"}
+    for dtype in ("bf16", "fp16"):
+        for head_dim in precompile.DEFAULT_HEAD_DIMS:
+            for operands in precompile.OPERANDS:
+                assert any(f"{dtype} d{head_dim} {operands} " in label for label in labels)
+    specs = [spec for _, spec in precompile.variants("sm_89", patterns)]
+    assert len(specs) == len(set(specs))
+
+
+def test_list_and_bad_arguments(tmp_path: Path, capsys) -> None:
+    assert (
+        precompile.main(["--arch", "sm_86", "--head-dims", "96", "--dtypes", "fp16", "--list"]) == 0
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines and all(" fp16 d96 " in line for line in lines)
+    with pytest.raises(SystemExit):
+        precompile.main(["--arch", "sm_75"])
+    with pytest.raises(SystemExit):
+        precompile.main(["--arch", "sm_89", "--head-dims", "12"])
+
+
+def test_precompile_refuses_a_disabled_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cache.CACHE_ENV, "off")
+    with pytest.raises(ValueError, match="disk cache is off"):
+        precompile.precompile("sm_89", precompile.call_patterns(["bf16"], [64]))
+
+
+def test_pattern_inputs_match_their_description() -> None:
+    pattern = precompile.CallPattern("fp16", 96, "mask+key-bias", (8, 2), True)
+    q, k, v, mask, bias = pattern.inputs("cpu", 128)
+    assert q.shape == (2, 128, 8, 96) and k.shape == v.shape == (2, 128, 2, 96)
+    assert q.dtype == torch.float16 and mask.dtype == torch.bool
+    assert mask.shape == (2, 2, 128, 128) and bias.shape == (2, 2, 128)
