@@ -131,7 +131,9 @@ def attention_bwd(
         dq, dk, dv, dbias = flash_bwd(
             problem, dout, query, key, value, mask, bias, out, lse, bias_grad
         )
-        return dq, dk, dv, dbias if bias_grad else query.new_empty(0)
+        # The kernels work on the 4-D view; a 3-D bias gets its gradient in its own shape.
+        dbias = dbias.view(attn_bias.shape) if bias_grad else query.new_empty(0)
+        return dq, dk, dv, dbias
     dq, dk, dv, dbias = attention_ref_backward(
         dout, query, key, value, attn_mask, attn_bias, problem.softmax_scale, problem.is_causal,
         problem.softcap, (problem.window_left, problem.window_right), bias_grad,

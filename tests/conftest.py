@@ -4,7 +4,10 @@ import tempfile
 import pytest
 import torch
 
-from dmattn_cute.jit import CACHE_ENV
+from dmattn_cute.jit import CACHE_ENV, arch_for_capability
+
+# Markers of tests that need a GPU of one architecture, and the arch each stands for.
+ARCH_MARKERS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90a"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -13,10 +16,25 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(CACHE_ENV, tempfile.mkdtemp(prefix="dmattn_cute_test_cache_"))
 
 
+def _gpu_arch() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return arch_for_capability(*torch.cuda.get_device_capability())
+    except ValueError:
+        return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
+    gpu_arch = _gpu_arch()
+    here = gpu_arch or ("no GPU" if not torch.cuda.is_available() else "an unsupported GPU")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+            continue
+        for marker, arch in ARCH_MARKERS.items():
+            if marker in item.keywords and arch != gpu_arch:
+                item.add_marker(
+                    pytest.mark.skip(reason=f"needs an {arch} GPU (this machine: {here})")
+                )

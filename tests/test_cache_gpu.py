@@ -1,0 +1,50 @@
+"""Kernels precompiled on a CPU-only process load on the GPU with zero compiles."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmattn_cute import flash_dmattn_func, precompile
+from dmattn_cute.jit import cache, target_arch
+from tests.utils import grads_and_check
+
+pytestmark = pytest.mark.gpu
+
+
+def test_precompiled_kernels_load_with_zero_compiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    arch = target_arch()
+    args = ["--arch", arch, "--head-dims", "64", "--dtypes", "bf16", "--cache-dir", str(tmp_path)]
+    # The precompile runs where no GPU is visible, as in a docker build.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("DMATTN_CUTE_ARCH", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "dmattn_cute.precompile", *args],
+        env=env, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    cache.clear_memory()
+    compiles, loads = cache.compile_count(), cache.load_count()
+    patterns = precompile.call_patterns(["bf16"], [64])
+    for pattern in patterns:
+        q, k, v, mask, bias = pattern.inputs("cuda", seqlen=256)
+        grads_and_check(q, k, v, mask, bias, **pattern.options())
+        out = flash_dmattn_func(q, k, v, mask, bias, **pattern.options())
+        assert out.isfinite().all()
+    loaded = cache.load_count() - loads
+    with capsys.disabled():
+        print(
+            f"\n{torch.cuda.get_device_name()} ({arch}): {result.stdout.strip()}\n"
+            f"{len(patterns)} call patterns, fwd + bwd: {cache.compile_count() - compiles} "
+            f"compiles, {loaded} kernels loaded from the precompiled cache"
+        )
+    assert cache.compile_count() == compiles
+    assert loaded == len(precompile.variants(arch, patterns))
+    cache.clear_memory()
