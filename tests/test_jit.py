@@ -112,8 +112,9 @@ def test_unknown_arch_is_rejected(bad: str) -> None:
 
 @pytest.mark.parametrize("target", arch.SUPPORTED_ARCHS)
 def test_compile_options_name_the_arch(target: str) -> None:
-    assert arch.compile_options(target) == f"--gpu-arch {target}"
-    assert arch.compile_options(target, "--keep-ptx") == f"--gpu-arch {target} --keep-ptx"
+    assert arch.compile_options(target) == f"--gpu-arch {target} --enable-tvm-ffi"
+    expected = f"--gpu-arch {target} --enable-tvm-ffi --keep-ptx"
+    assert arch.compile_options(target, "--keep-ptx") == expected
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from dmattn_cute import flash_dmattn_func
 from dmattn_cute.modules import DynamicMaskAttention
 from dmattn_cute.ops import attention_bwd, attention_fwd
+from dmattn_cute.reference import attention_ref
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 B, SQ, SK, H, HKV, D = 2, 37, 45, 4, 2, 32
@@ -139,3 +140,26 @@ def test_compiled_module_trains(device) -> None:
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
     assert all(b <= a * 1.05 for a, b in itertools.pairwise(losses))
+
+
+@pytest.mark.gpu
+def test_kernels_run_on_the_current_stream() -> None:
+    """Kernels are launched on torch's current stream: here q is written on a side stream
+    after a long sleep; a launch on any other stream would read q before the write."""
+    q_new, k, v, mask, bias = _inputs("cuda", (B, HKV, SQ, SK), (B, HKV, 1, SK), grad=False)
+    q = torch.zeros_like(q_new)
+    dout = torch.randn_like(q_new)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        q.copy_(q_new)
+        leaf = q.requires_grad_()
+        out = flash_dmattn_func(leaf, k, v, mask, bias, is_causal=True)
+        (dq,) = torch.autograd.grad(out, leaf, dout)
+    side.synchronize()
+    ref_q = q_new.detach().float().requires_grad_()
+    ref = attention_ref(ref_q, k.float(), v.float(), mask, bias.float(), is_causal=True)[0]
+    (ref_dq,) = torch.autograd.grad(ref, ref_q, dout.float())
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(dq.float(), ref_dq, atol=5e-2, rtol=5e-2)

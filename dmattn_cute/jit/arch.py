@@ -95,5 +95,10 @@ def smem_capacity(arch: str) -> int:
 
 
 def compile_options(arch: str, extra: str = "") -> str:
-    """The ``cute.compile`` options string that targets ``arch``, followed by ``extra``."""
-    return f"--gpu-arch {check_arch(arch)} {extra}".strip()
+    """The ``cute.compile`` options string that targets ``arch``, followed by ``extra``.
+
+    Every kernel is built as a TVM-FFI function: it takes torch tensors directly and checks
+    them against its compiled stride pattern in C, which costs microseconds per call where
+    converting each tensor through DLPack in Python costs tens.
+    """
+    return f"--gpu-arch {check_arch(arch)} --enable-tvm-ffi {extra}".strip()

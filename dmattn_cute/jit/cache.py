@@ -94,7 +94,7 @@ def _symbol(key: str) -> str:
 def _load_runtime_globally() -> None:
     # Exporting links the host launcher against the DSL runtime's CUDA entry points, which must
     # then be visible process-wide; on a machine without a GPU nothing else has loaded them.
-    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True):
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
 
@@ -111,7 +111,7 @@ def _file_lock(path: Path):
 def _load(path: Path, key: str) -> Any | None:
     """The kernel exported at ``path``, or None (with a warning) if it cannot be loaded."""
     try:
-        return getattr(cute.runtime.load_module(str(path)), _symbol(key))
+        return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), _symbol(key))
     except Exception as err:  # noqa: BLE001 - whatever fails to load is compiled again
         warnings.warn(
             f"dmattn_cute: recompiling the unreadable cache entry {path} ({err})",
@@ -125,7 +125,7 @@ def _export(kernel: Any, path: Path, key: str) -> None:
     """Writes ``kernel`` to ``path`` atomically (readers never see a partial file)."""
     _load_runtime_globally()
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        kernel.export_to_c(tmp, "kernel", _symbol(key))
+        kernel.export_to_c(str(Path(tmp) / "kernel.o"), _symbol(key))
         os.replace(Path(tmp) / "kernel.o", path)
 
 

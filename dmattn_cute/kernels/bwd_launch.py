@@ -7,7 +7,6 @@ dtype, or accumulated in an fp32 buffer of the bias's shape and cast (see kernel
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import torch
 
 from ..jit.arch import target_arch
@@ -18,13 +17,13 @@ from .bwd_pre import bwd_preprocess
 from .fwd import DTYPES
 from .fwd_launch import (
     _DTYPE_NAMES,
-    _cute_tensor,
-    _fake,
     _operand_spec,
     _operand_view,
     _qkv_view,
     _scalars,
     _stride_kind,
+    env_stream,
+    fake_tensor,
 )
 
 
@@ -91,22 +90,24 @@ def _bwd_scalars(problem: Problem, mask, bias) -> list:
 
 def example_args(spec: BwdSpec) -> list:
     """Arguments for an offline `cute.compile` of `spec` (see fwd_launch.example_args)."""
-    qkv = _fake(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8)
-    rows = _fake("fp32", ("d", "d", "1"), 4)
-    acc = _fake("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
+    qkv = fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8)
+    rows = fake_tensor("fp32", ("d", "d", "1"), 4)
+    acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
     mask = bias = dbias = sem = None
     if spec.mask is not None:
-        mask = _fake(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
+        mask = fake_tensor(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
     if spec.bias is not None:
         elem = DTYPES[spec.bias.dtype].width // 8
-        bias = _fake(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
+        bias = fake_tensor(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
     if spec.dbias is not None:
-        dbias = _fake(spec.dbias.dtype, spec.dbias.strides, 4 if spec.dbias.dtype == "fp32" else 2)
+        dbias = fake_tensor(
+            spec.dbias.dtype, spec.dbias.strides, 4 if spec.dbias.dtype == "fp32" else 2
+        )
     if spec.deterministic:
-        sem = _fake("i32", ("d", "d", "1"), 4)
+        sem = fake_tensor("i32", ("d", "d", "1"), 4)
     scalars = [1.0, 1.0, 0.0, 0.0, 1.0, 0, 0, 1, 1, 1]
     return [qkv, qkv, qkv, qkv, rows, rows, acc, qkv, qkv, mask, bias, dbias, sem, *scalars,
-            cuda.CUstream(0)]  # fmt: skip
+            env_stream()]  # fmt: skip
 
 
 def _dbias_buffers(
@@ -181,24 +182,8 @@ def flash_bwd(
             problem.batch, problem.num_heads, num_m, dtype=torch.int32, device=q.device
         )
     kernel = compiled(spec, arch)
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    args = [
-        _cute_tensor(q, 16),
-        _cute_tensor(k, 16),
-        _cute_tensor(v, 16),
-        _cute_tensor(dout, 16),
-        _cute_tensor(lse, 4),
-        _cute_tensor(dpsum, 4),
-        _cute_tensor(dq_acc, 16),
-        _cute_tensor(dk, 16),
-        _cute_tensor(dv, 16),
-        None if mask_k is None else _cute_tensor(mask_k, spec.mask.vec),
-        None if bias_k is None else _cute_tensor(bias_k, spec.bias.vec * bias_k.element_size()),
-        None if dbias_view is None else _cute_tensor(dbias_view, dbias_view.element_size()),
-        None if sem is None else _cute_tensor(sem, 4),
-        *_bwd_scalars(problem, mask_k, bias_k),
-        stream,
-    ]
+    args = [q, k, v, dout, lse, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
+            *_bwd_scalars(problem, mask_k, bias_k)]  # fmt: skip
     kernel(*args)
     if kind == "sum":
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)

@@ -11,7 +11,6 @@ import cutlass
 import torch
 from cutlass import Float32, const_expr, cute
 from cutlass.base_dsl import JitCompiledFunction
-from cutlass.cute.runtime import from_dlpack
 
 from dmattn_cute.jit.arch import compile_options, target_arch
 from dmattn_cute.jit.cache import compiled
@@ -89,17 +88,19 @@ class BwdPreprocessSpec:
         return self.num_threads // self.threads_per_row
 
     def compile(self, arch: str, options: str = "") -> JitCompiledFunction:
-        """Compiles for ``arch`` offline (example arguments are small CPU tensors; every shape
-        and stride but the unit stride of D is dynamic, so one compile serves all B/Sq/H/D)."""
-        torch_dtype = _DTYPES[self.dtype][0]
-        out = torch.zeros(1, 1, 1, self.head_dim_padded, dtype=torch_dtype)
-        dpsum = torch.zeros(1, 1, 1, dtype=torch.float32)
+        """Compiles for ``arch`` offline. Every shape and stride but the unit stride of D is
+        dynamic, so one compile serves all B/Sq/H/D up to head_dim_padded."""
+        from dmattn_cute.kernels.fwd_launch import env_stream, fake_tensor
+
+        name = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
+        rows = fake_tensor(name, ("d", "d", "d", "1"), _VECTOR_BYTES)
+        dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
         return cute.compile(
             BwdPreprocessKernel(self),
-            _as_cute(out, _VECTOR_BYTES),
-            _as_cute(out, _VECTOR_BYTES),
-            _as_cute(dpsum, dpsum.element_size()),
-            cuda.CUstream(0),
+            rows,
+            rows,
+            dpsum,
+            env_stream(),
             options=compile_options(arch, options),
         )
 
@@ -217,12 +218,6 @@ def _vector_aligned(mX: cute.Tensor, vec: cutlass.Constexpr[int]) -> cute.Tensor
     return cute.make_tensor(mX.iterator, cute.make_layout(mX.shape, stride=tuple(strides)))
 
 
-def _as_cute(t: torch.Tensor, align: int) -> cute.Tensor:
-    """A DLPack view with dynamic shape and strides except the unit stride of the last dim;
-    ``align`` is the base alignment in bytes the kernel may assume (checked by the caller)."""
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-
 def _check_vector_aligned(name: str, t: torch.Tensor) -> None:
     vec = _VECTOR_BYTES // t.element_size()
     if t.stride(-1) != 1:
@@ -273,11 +268,5 @@ def bwd_preprocess(
     kernel = compiled(spec, target_arch(out.device))
     # The launch goes to the current device's context; make that out's device.
     with torch.cuda.device(out.device):
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        kernel(
-            _as_cute(out, _VECTOR_BYTES),
-            _as_cute(dout, _VECTOR_BYTES),
-            _as_cute(dpsum, dpsum.element_size()),
-            stream,
-        )
+        kernel(out, dout, dpsum)
     return dpsum

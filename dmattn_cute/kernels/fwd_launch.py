@@ -1,15 +1,15 @@
 """Host side of the forward: pick the kernel variant for a problem and launch it on torch tensors.
 
-The same conversion (`_cute_tensor`) builds the example arguments of an offline compile and
-the real arguments of a launch, so a compiled variant always matches what it is called with.
+Kernels are compiled against fake tensors that carry the variant's stride pattern and
+alignment (`example_args`) and called through TVM-FFI with the torch tensors themselves: the
+call checks each tensor against that pattern in C, and the kernel runs on the current torch
+stream.
 """
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import torch
 from cutlass import cute
-from cutlass.cute.runtime import from_dlpack
 
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
@@ -57,14 +57,6 @@ def _qkv_view(t: torch.Tensor) -> torch.Tensor:
     """q/k/v/out as the kernel needs them: 16-byte aligned rows (copied only when not)."""
     aligned = t.data_ptr() % 16 == 0 and all(s != 0 and s % 8 == 0 for s in t.stride()[:3])
     return t if aligned else t.contiguous()
-
-
-def _cute_tensor(t: torch.Tensor, align: int):
-    """from_dlpack with dynamic shapes/strides; stride-0 and unit strides stay static."""
-    unit = [i for i, s in enumerate(t.stride()) if s == 1]
-    # DLPack refuses tensors that require grad; the kernels never take part in autograd.
-    tensor = from_dlpack(t.detach(), assumed_align=align)
-    return tensor.mark_layout_dynamic(leading_dim=unit[0] if unit else None)
 
 
 def forward_spec_of(
@@ -122,21 +114,11 @@ def _scalars(problem: Problem, mask, bias) -> list:
     ]
 
 
-def _args(spec: FwdSpec, q, k, v, out, lse, mask, bias, scalars, stream) -> list:
-    return [
-        _cute_tensor(q, 16),
-        _cute_tensor(k, 16),
-        _cute_tensor(v, 16),
-        _cute_tensor(out, 16),
-        _cute_tensor(lse, 4),
-        None if mask is None else _cute_tensor(mask, spec.mask.vec),
-        None if bias is None else _cute_tensor(bias, spec.bias.vec * bias.element_size()),
-        *scalars,
-        stream,
-    ]
+def _args(q, k, v, out, lse, mask, bias, scalars) -> list:
+    return [q, k, v, out, lse, mask, bias, *scalars]
 
 
-def _fake(dtype: str, strides: tuple[str, ...], align: int, stride_div: int = 1):
+def fake_tensor(dtype: str, strides: tuple[str, ...], align: int, stride_div: int = 1):
     """A compile-time stand-in for a gmem tensor: dynamic extents, the given stride pattern."""
     stride = [{"0": 0, "1": 1}.get(kind) for kind in strides]
     stride = [cute.sym_int64(divisibility=stride_div) if s is None else s for s in stride]
@@ -146,22 +128,28 @@ def _fake(dtype: str, strides: tuple[str, ...], align: int, stride_div: int = 1)
     )
 
 
+def env_stream():
+    """The compile-time stream argument: at call time TVM-FFI passes the caller's current
+    torch stream (it is not an argument of the compiled function)."""
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
 def example_args(spec: FwdSpec) -> list:
     """Arguments for an offline `cute.compile` of `spec`: fake gmem tensors, placeholder scalars.
 
     They must match what `_args` passes at launch: q/k/v/out rows 16-byte aligned (strides
     multiples of 8), mask/bias with their stride pattern and vector alignment.
     """
-    qkv = _fake(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8)
-    lse = _fake("fp32", ("d", "d", "1"), 4)
+    qkv = fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8)
+    lse = fake_tensor("fp32", ("d", "d", "1"), 4)
     mask = bias = None
     if spec.mask is not None:
-        mask = _fake(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
+        mask = fake_tensor(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
     if spec.bias is not None:
         elem = DTYPES[spec.bias.dtype].width // 8
-        bias = _fake(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
+        bias = fake_tensor(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
     scalars = [1.0, 1.0, 0.0, 0.0, 0, 0, 1, 1, 1]
-    return [qkv, qkv, qkv, qkv, lse, mask, bias, *scalars, cuda.CUstream(0)]
+    return [qkv, qkv, qkv, qkv, lse, mask, bias, *scalars, env_stream()]
 
 
 def flash_fwd(
@@ -191,9 +179,15 @@ def flash_fwd(
         )
     spec = fwd_spec(problem, mask, bias, arch)
     kernel = compiled(spec, arch)
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel(*_args(spec, q, k, v, out, lse, mask, bias, _scalars(problem, mask, bias), stream))
+    kernel(*_args(q, k, v, out, lse, mask, bias, _scalars(problem, mask, bias)))
     return out, lse
 
 
-__all__ = ["example_args", "flash_fwd", "forward_spec_of", "fwd_spec"]
+__all__ = [
+    "env_stream",
+    "example_args",
+    "fake_tensor",
+    "flash_fwd",
+    "forward_spec_of",
+    "fwd_spec",
+]
