@@ -90,9 +90,11 @@ def _bwd_scalars(problem: Problem, mask, bias) -> list:
 
 def example_args(spec: BwdSpec) -> list:
     """Arguments for an offline `cute.compile` of `spec` (see fwd_launch.example_args)."""
-    qkv = fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8)
-    rows = fake_tensor("fp32", ("d", "d", "1"), 4)
-    acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
+    q, k, v, dout, dk, dv = (
+        fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8) for _ in range(6)
+    )
+    lse, dpsum = (fake_tensor("fp32", ("d", "d", "1"), 4) for _ in range(2))
+    dq_acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
     mask = bias = dbias = sem = None
     if spec.mask is not None:
         mask = fake_tensor(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
@@ -106,7 +108,7 @@ def example_args(spec: BwdSpec) -> list:
     if spec.deterministic:
         sem = fake_tensor("i32", ("d", "d", "1"), 4)
     scalars = [1.0, 1.0, 0.0, 0.0, 1.0, 0, 0, 1, 1, 1]
-    return [qkv, qkv, qkv, qkv, rows, rows, acc, qkv, qkv, mask, bias, dbias, sem, *scalars,
+    return [q, k, v, dout, lse, dpsum, dq_acc, dk, dv, mask, bias, dbias, sem, *scalars,
             env_stream()]  # fmt: skip
 
 

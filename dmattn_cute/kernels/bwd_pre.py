@@ -93,12 +93,12 @@ class BwdPreprocessSpec:
         from dmattn_cute.kernels.fwd_launch import env_stream, fake_tensor
 
         name = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
-        rows = fake_tensor(name, ("d", "d", "d", "1"), _VECTOR_BYTES)
+        out, dout = (fake_tensor(name, ("d", "d", "d", "1"), _VECTOR_BYTES) for _ in range(2))
         dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
         return cute.compile(
             BwdPreprocessKernel(self),
-            rows,
-            rows,
+            out,
+            dout,
             dpsum,
             env_stream(),
             options=compile_options(arch, options),

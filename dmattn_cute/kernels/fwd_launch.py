@@ -140,7 +140,11 @@ def example_args(spec: FwdSpec) -> list:
     They must match what `_args` passes at launch: q/k/v/out rows 16-byte aligned (strides
     multiples of 8), mask/bias with their stride pattern and vector alignment.
     """
-    qkv = fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8)
+    # One fake per argument: each gets its own symbolic shape and strides (a shared fake would
+    # make the call require q, k, v and out to have one shape and one set of strides).
+    q, k, v, out = (
+        fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8) for _ in range(4)
+    )
     lse = fake_tensor("fp32", ("d", "d", "1"), 4)
     mask = bias = None
     if spec.mask is not None:
@@ -149,7 +153,7 @@ def example_args(spec: FwdSpec) -> list:
         elem = DTYPES[spec.bias.dtype].width // 8
         bias = fake_tensor(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
     scalars = [1.0, 1.0, 0.0, 0.0, 0, 0, 1, 1, 1]
-    return [qkv, qkv, qkv, qkv, lse, mask, bias, *scalars, env_stream()]
+    return [q, k, v, out, lse, mask, bias, *scalars, env_stream()]
 
 
 def flash_fwd(
