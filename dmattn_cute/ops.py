@@ -6,7 +6,8 @@ without running anything, and the forward op's autograd formula calls the backwa
 On CUDA tensors the ops launch the CuTe kernels; on other devices they run the float32
 reference (the backward differentiates it), so the same graph works on a CPU.
 
-mask and bias are passed as the caller gave them (3-D or 4-D, broadcast, expanded): the ops
+The ops trust their arguments: flash_dmattn_func validates every call (SPEC.md's errors)
+before it reaches them. mask and bias are passed as the caller gave them (3-D or 4-D, broadcast, expanded): the ops
 normalize them, and dbias comes back in the bias's own shape and dtype. Ops cannot return an
 optional tensor, so a dbias that was not asked for is an empty tensor (no attention-sized
 allocation), which the autograd formula turns into None.
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from dmattn_cute.kernels.bwd_launch import flash_bwd
 from dmattn_cute.kernels.fwd_launch import flash_fwd
-from dmattn_cute.problem import Problem, make_problem
+from dmattn_cute.problem import Problem, broadcast_view, check_device
 from dmattn_cute.reference import attention_ref, attention_ref_backward
 
 
@@ -36,18 +37,19 @@ def _problem(
     window_right: int,
     deterministic: bool,
 ) -> tuple[Problem, Tensor | None, Tensor | None]:
-    return make_problem(
-        query,
-        key,
-        value,
-        attn_mask,
-        attn_bias,
-        softmax_scale,
-        is_causal,
-        softcap,
-        (window_left, window_right),
-        deterministic,
-    )
+    # flash_dmattn_func validated these arguments (check_problem) before calling the op, so
+    # they are only described here; the device is checked again because under torch.compile
+    # validation ran at trace time.
+    if query.device.type == "cuda":
+        check_device(query.device)
+    batch, seqlen_q, num_heads, head_dim = query.shape
+    problem = Problem(
+        batch, seqlen_q, key.shape[1], num_heads, key.shape[2], head_dim, query.dtype,
+        softmax_scale, is_causal, softcap, window_left, window_right, deterministic,
+    )  # fmt: skip
+    mask = None if attn_mask is None else broadcast_view(attn_mask)
+    bias = None if attn_bias is None else broadcast_view(attn_bias)
+    return problem, mask, bias
 
 
 def _reference(query, key, value, attn_mask, attn_bias, problem: Problem) -> tuple[Tensor, Tensor]:

@@ -29,6 +29,7 @@ counter in global memory passes from key block n to n + 1.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -97,6 +98,7 @@ class BwdSpec:
     vector_atomics: bool  # red.global.add.v2.f32 (sm_90)
 
     @staticmethod
+    @functools.cache  # called on every launch; the tile search is pure
     def build(
         arch: str,
         dtype: str,

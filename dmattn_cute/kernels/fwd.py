@@ -12,6 +12,7 @@ bias tiles of the next visible block are loaded by cp.async while the current on
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -79,6 +80,7 @@ class FwdSpec:
     has_softcap: bool
 
     @staticmethod
+    @functools.cache  # called on every launch; the tile search is pure
     def build(
         arch: str,
         dtype: str,
