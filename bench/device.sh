@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, then (with --bench) the benchmark.
 # Usage (repo root, after `source .device/activate.sh`):
-#   bash bench/device.sh [--no-tests] [--sanitize] [--bench] [pytest args]
+#   [BENCH_ARGS="--quick"] bash bench/device.sh [--no-tests] [--sanitize] [--bench] [pytest args]
 # Logs go to $OUT (or /tmp/dmattn-out).
 set -uo pipefail
 out="${OUT:-/tmp/dmattn-out}"; mkdir -p "$out"
@@ -35,8 +35,6 @@ if [ "$sanitize" = 1 ]; then
   done
 fi
 if [ "$bench" = 1 ]; then
-  for mode in fwd fwdbwd; do
-    python3 -m bench.run --mode "$mode" --out "$out" 2>&1 | tee "$out/bench_$mode.log" | tail -40
-  done
+  python3 -m bench.run --out "$out/bench" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -40
 fi
 exit "$status"

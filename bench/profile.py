@@ -1,10 +1,10 @@
-"""Two forward + backward calls at the benchmark's shapes, for Nsight Compute.
+"""Two forward + backward calls of a sparse-suite workload, for Nsight Compute.
 
     ncu --clock-control none -k regex:FlashBwd -c 1 --section SpeedOfLight \\
         python3 -m bench.profile [DENSITY]
 
-Without DENSITY: no mask, no bias. With it: a block-sparse mask of that block density (as
-bench.run draws it) and a bias [B, Hkv, 1, S] with its gradient.
+Without DENSITY: no mask, no bias. With it: the sparse suite's random-block mask of that
+density (bench/workloads.py) and a bias [B, Hkv, 1, S] with its gradient.
 """
 
 from __future__ import annotations
@@ -13,21 +13,18 @@ import sys
 
 import torch
 
-from bench.run import BATCH, HEAD_DIM, HEADS, HEADS_KV, SEQLEN, block_sparse_mask
-from dmattn_cute.attention import flash_dmattn_func
+from bench.workloads import Workload, make_inputs
+from dmattn_cute import flash_dmattn_func
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    kw = {"device": "cuda", "dtype": torch.bfloat16, "requires_grad": True}
-    q = torch.randn(BATCH, SEQLEN, HEADS, HEAD_DIM, **kw)
-    k, v = (torch.randn(BATCH, SEQLEN, HEADS_KV, HEAD_DIM, **kw) for _ in range(2))
-    mask = bias = None
     if len(sys.argv) > 1:
-        mask = block_sparse_mask(float(sys.argv[1]), SEQLEN)
-        bias = torch.randn(BATCH, HEADS_KV, 1, SEQLEN, **kw)
+        w = Workload("sparse", 2, 4096, 4096, bias="key", mask="blocks", density=float(sys.argv[1]))
+    else:
+        w = Workload("dense", 2, 4096, 4096)
+    x = make_inputs(w, "cuda", grad=True)
     for _ in range(2):
-        out = flash_dmattn_func(q, k, v, mask, bias)
+        out = flash_dmattn_func(x.q, x.k, x.v, x.mask, x.bias)
         out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
 

@@ -1,20 +1,146 @@
-"""The benchmark's command line answers --help on a machine without a GPU."""
+"""The benchmark without a GPU: its command line, workloads, inputs, the peers' semantics (SDPA
+math on CPU against ours), the executed-tile count, and the report's tables and plots."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from bench import peers, report, run
+from bench.workloads import BLOCK_K, BLOCK_Q, HEADS_KV, SUITES, Workload, make_inputs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_help_lists_quick() -> None:
+def _cli(*args: str) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+        [sys.executable, "-m", "bench.run", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "--quick" in result.stdout
+    return result.stdout
+
+
+def test_help_and_list() -> None:
+    assert "--quick" in _cli("--help")
+    quick = _cli("--quick", "--list").strip().splitlines()
+    assert quick[-1] == f"{len(quick) - 1} runs"
+    assert {line.split()[0] for line in quick[:-1]} == {"dense", "bias", "sparse", "decode"}
+    full = _cli("--list").strip().splitlines()
+    decode = [line for line in full if line.startswith("decode")]
+    assert decode and all(line.split()[1] == "fwd" for line in decode)
+    assert any("Sk524288" in line for line in decode)
+
+
+def test_suites_cover_the_issue() -> None:
+    dense = SUITES["dense"]()
+    assert {w.head_dim for w in dense} == {64, 128, 256}
+    assert {w.seqlen_q for w in dense} == {1024, 2048, 4096, 8192, 16384}
+    assert {w.dtype for w in dense} == {"bf16", "fp16"} and {w.causal for w in dense} == {0, 1}
+    assert {w.bias for w in SUITES["bias"]()} == {"key", "full"}
+    sparse = SUITES["sparse"]()
+    assert {(w.mask, w.density) for w in sparse} == {
+        (kind, p) for kind in ("blocks", "topk") for p in (1.0, 0.5, 0.25, 0.1, 0.05)
+    }
+    assert {w.seqlen_q for w in SUITES["decode"]()} == {1}
+
+
+def _small(mask, density=1.0, bias="key", causal=False, sq=256, sk=320):
+    return Workload("sparse", 2, sq, sk, 32, causal=causal, bias=bias, mask=mask, density=density)
+
+
+def test_block_mask_inputs() -> None:
+    w = _small("blocks", 0.3)
+    x = make_inputs(w, "cpu")
+    assert x.mask.shape == (2, HEADS_KV, 256, 320) and x.mask.dtype == torch.bool
+    blocks = x.mask.view(2, HEADS_KV, 256 // BLOCK_Q, BLOCK_Q, 320 // BLOCK_K, BLOCK_K)
+    # Constant over each block, and every query block keeps at least one key block.
+    assert torch.equal(blocks.any(5).any(3), blocks.all(5).all(3))
+    assert blocks.any(5).any(3).any(3).all()
+    assert x.bias.shape == (2, HEADS_KV, 1, 320)
+
+
+def test_topk_mask_inputs() -> None:
+    w = _small("topk", 0.25, causal=True)
+    x = make_inputs(w, "cpu")
+    keep = round(0.25 * 320)
+    counts = x.mask.sum(-1)
+    assert counts.max() == keep and counts.min() >= 1
+    # Causal (bottom-right aligned): query i sees keys <= i + Sk - Sq only.
+    cols = torch.arange(320)
+    rows = torch.arange(256)[:, None] + 64
+    assert not (x.mask & (cols > rows)).any()
+
+
+@pytest.mark.parametrize(
+    "w",
+    [
+        _small("blocks", 0.5),
+        _small("topk", 0.25, causal=True),
+        _small("dense", bias="full"),
+        _small(None, bias=None, causal=True, sq=320, sk=320),
+        Workload("decode", 2, 1, 640, 32, bias="key", mask="blocks", density=0.25),
+    ],
+    ids=lambda w: w.name,
+)
+def test_peer_semantics_match_ours(w: Workload) -> None:
+    """SDPA math (the peers' shared float mask) computes what ours computes (CPU reference)."""
+    x = make_inputs(w, "cpu")
+    (_, ours_call), = peers.ours(x)  # fmt: skip
+    (_, math_call), = peers.sdpa_math(x)  # fmt: skip
+    with torch.no_grad():
+        got, ref = math_call().float(), ours_call().float()
+    assert (got - ref).norm() / ref.norm() < 2e-2
+
+
+def test_unsupported_peers_say_why() -> None:
+    x = make_inputs(_small("blocks", 0.5), "cpu")
+    with pytest.raises(peers.Unsupported, match="no mask or bias"):
+        next(peers.sdpa_flash(x))
+    with pytest.raises(peers.Unsupported, match="not installed"):
+        next(peers.flash_dmattn(x))
+
+
+def test_executed_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DMATTN_CUTE_ARCH", "sm_90a")
+    full = _small("blocks", 1.0, sq=512, sk=512)
+    assert run.executed_fraction(full, make_inputs(full, "cpu"), "fwd") == pytest.approx(1.0)
+    sparse = _small("blocks", 0.25, sq=512, sk=512)
+    fraction = run.executed_fraction(sparse, make_inputs(sparse, "cpu"), "fwdbwd")
+    assert 0.1 < fraction < 0.8
+    dense = _small("dense")
+    assert run.executed_fraction(dense, make_inputs(dense, "cpu"), "fwd") is None
+
+
+def _record(suite, mode, impl, ms, **extra) -> dict:
+    w = extra.pop("w", Workload(suite, 2, 4096, 4096))
+    return {"workload": w.name, **w.__dict__, "mode": mode, "impl": impl, "ms": ms,
+            "tflops": w.flops() / ms * 1e-9, **extra}  # fmt: skip
+
+
+def test_report_tables_and_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    records = []
+    for p in (1.0, 0.5, 0.25, 0.1, 0.05):
+        w = Workload("sparse", 2, 4096, 4096, bias="key", mask="blocks", density=p)
+        records += [_record("sparse", "fwd", "ours", 1.0 * p + 0.1, w=w),
+                    _record("sparse", "fwd", "flex", 0.8 * p + 0.1, w=w)]  # fmt: skip
+    for s in (1024, 2048, 4096):
+        w = Workload("dense", 16384 // s, s, s)
+        records += [_record("dense", "fwd", "ours", s / 1000, w=w),
+                    _record("dense", "fwd", "sdpa_flash", s / 900, w=w)]  # fmt: skip
+    records.append({**_record("dense", "fwd", "fa4", 1.0), "skipped": "not installed"})
+    del records[-1]["ms"]
+    env = {"gpu": "Test GPU", "date": "2026-11-22 00:00 UTC", "versions": {"torch": "x"},
+           "python": "3", "command": "python3 -m bench.run", "timer": "t"}  # fmt: skip
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"environment": env, "records": records}))
+    assert report.main([str(path), "--out", str(tmp_path), "--name", "r"]) == 0
+    text = (tmp_path / "r.md").read_text()
+    assert "## sparse, fwd" in text and "## dense, fwd" in text and "Test GPU" in text
+    assert "fa4: not installed" in text
+    for name in ("r_speedup_vs_density.png", "r_tflops_vs_seqlen.png"):
+        assert (tmp_path / name).stat().st_size > 10_000

@@ -1,0 +1,177 @@
+"""Tables and plots from the benchmark's results.json files (runs anywhere; plots need
+matplotlib).
+
+    python3 -m bench.report RESULTS.json [MORE.json ...] --out bench/results --name NAME
+
+Writes NAME.md (every measurement, by suite and mode, with the environment of each run) and
+NAME_speedup_vs_density.png / NAME_tflops_vs_seqlen.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+OURS = "ours"
+# Column title -> (record key, format); a missing value prints as "-".
+COLUMNS = {
+    "workload": ("workload", ""),
+    "impl": ("impl", ""),
+    "ms": ("ms", ".3f"),
+    "TFLOP/s (dense-eq)": ("tflops", ".1f"),
+    "TFLOP/s (executed)": ("executed_tflops", ".1f"),
+    "time / ours": ("speedup", ".2f"),
+    "peak MiB": ("peak_mib", ".0f"),
+    "first call s": ("first_call_s", ".2f"),
+    "host ms": ("host_ms", ".3f"),
+    "rel err vs ours": ("rel_err", ".1e"),
+    "note": ("note", ""),
+}
+HOW_TO_READ = """\
+- ms: median time of one call; TFLOP/s (dense-eq): 4·B·H·Sq·Sk·D per forward (halved when
+  causal, x2.5 for the backward, x3.5 for both) over that time, whatever the mask skips;
+  TFLOP/s (executed): the same over the tiles our kernels actually run (tiles with a visible
+  key), so sparse rows can be compared with dense ones.
+- time / ours: this row's ms over ours (> 1: ours is faster).
+- peak MiB: memory one call allocates beyond its inputs; first call s: compile and warm-up,
+  excluded from ms; host ms: CPU time to enqueue one call (a row is host-bound where it nears
+  ms).
+- rel err vs ours: ||out - ours|| / ||ours|| of the forward output, checked before timing; a
+  peer above 2e-2 (bf16) / 1e-2 (fp16) is listed as skipped, not timed.
+"""
+
+
+def _cell(rec: dict, key: str, fmt: str) -> str:
+    value = rec.get(key)
+    return "-" if value is None or value == "" else format(value, fmt)
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["# dmattn_cute benchmark", ""]
+    for res in results:
+        env = res["environment"]
+        versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
+        lines += [
+            f"- GPU: **{env['gpu']}**, {env['date']}; {versions}; Python {env['python']}",
+            f"- command: `{env['command']}` ({env.get('wall_s', '?')} s)",
+            f"- timing: {env['timer']}",
+        ]
+    lines += ["", "How to read the tables:", "", HOW_TO_READ]
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for res in results:
+        for rec in res["records"]:
+            groups[rec["suite"], rec["mode"]].append(rec)
+    for (suite, mode), recs in groups.items():
+        lines += [f"## {suite}, {mode}", ""]
+        lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        skipped = []
+        for rec in recs:
+            if "ms" not in rec:
+                reason = rec.get("skipped", "") + "; ".join(rec.get("errors", []))
+                skipped.append(f"- {rec['workload']}: {rec['impl']}: {reason}")
+                continue
+            row = [_cell(rec, key, fmt) for key, fmt in COLUMNS.values()]
+            lines.append("| " + " | ".join(row) + " |")
+        if skipped:
+            lines += ["", "Not timed:", "", *sorted(set(skipped))]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _timed(results: list[dict]) -> list[dict]:
+    return [rec for res in results for rec in res["records"] if "ms" in rec]
+
+
+def plot_speedup_vs_density(results: list[dict], path: Path) -> bool:
+    """Sparse suite: each implementation's speedup over our dense-mask time, vs density."""
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in _timed(results) if r["suite"] == "sparse" and not r["causal"]]
+    modes = [m for m in ("fwd", "fwdbwd") if any(r["mode"] == m for r in recs)]
+    kinds = sorted({r["mask"] for r in recs})
+    if not modes or not kinds:
+        return False
+    fig, axes = plt.subplots(len(modes), len(kinds), figsize=(5 * len(kinds), 3.6 * len(modes)),
+                             squeeze=False)  # fmt: skip
+    for i, mode in enumerate(modes):
+        for j, kind in enumerate(kinds):
+            ax = axes[i][j]
+            sel = [r for r in recs if r["mode"] == mode and r["mask"] == kind]
+            base = [r["ms"] for r in sel if r["impl"] == OURS and r["density"] == 1.0]
+            if not base:
+                ax.set_visible(False)
+                continue
+            for impl in sorted({r["impl"] for r in sel}, key=lambda n: n != OURS):
+                pts = sorted((r["density"], base[0] / r["ms"]) for r in sel if r["impl"] == impl)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
+                        linewidth=2.5 if impl == OURS else 1.2)  # fmt: skip
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("mask density")
+            ax.set_ylabel("speedup over ours at density 1")
+            ax.set_title(f"{mode}, mask {kind}, bias [B,Hkv,1,Sk]")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) -> bool:
+    """Dense suite: TFLOP/s vs sequence length per implementation, causal and not."""
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in _timed(results)
+            if r["suite"] == "dense" and r["head_dim"] == head_dim and r["dtype"] == "bf16"]  # fmt: skip
+    modes = [m for m in ("fwd", "bwd", "fwdbwd") if any(r["mode"] == m for r in recs)]
+    if not modes:
+        return False
+    fig, axes = plt.subplots(len(modes), 2, figsize=(10, 3.6 * len(modes)), squeeze=False)
+    for i, mode in enumerate(modes):
+        for j, causal in enumerate((False, True)):
+            ax = axes[i][j]
+            sel = [r for r in recs if r["mode"] == mode and r["causal"] == causal]
+            if not sel:
+                ax.set_visible(False)
+                continue
+            for impl in sorted({r["impl"] for r in sel}, key=lambda n: n != OURS):
+                pts = sorted((r["seqlen_q"], r["tflops"]) for r in sel if r["impl"] == impl)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
+                        linewidth=2.5 if impl == OURS else 1.2)  # fmt: skip
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("sequence length (batch x seqlen = 16k)")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_title(f"{mode}, {'causal' if causal else 'not causal'}, D={head_dim} bf16")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m bench.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("results", type=Path, nargs="+", help="results.json of bench.run")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", required=True, help="file name prefix, e.g. 2026-11-22_H200")
+    args = parser.parse_args(argv)
+    results = [json.loads(p.read_text()) for p in args.results]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.md").write_text(markdown(results))
+    written = [f"{args.name}.md"]
+    for suffix, plot in (("speedup_vs_density", plot_speedup_vs_density),
+                         ("tflops_vs_seqlen", plot_tflops_vs_seqlen)):  # fmt: skip
+        if plot(results, args.out / f"{args.name}_{suffix}.png"):
+            written.append(f"{args.name}_{suffix}.png")
+    print("wrote " + ", ".join(str(args.out / w) for w in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

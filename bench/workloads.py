@@ -1,0 +1,179 @@
+"""What the benchmark runs: workloads (shapes, mask, bias), grouped in suites, and their inputs.
+
+Suites (bf16 unless said):
+- dense: no mask or bias, causal and not, D 64/128/256, S 1k..16k at 16k tokens per batch;
+  fp16 at S=4k.
+- bias: a trainable bias [B, Hkv, 1, Sk] or [B, H, Sq, Sk] with its gradient, dense mask; bf16
+  and fp16.
+- sparse: bias [B, Hkv, 1, Sk] and a mask of density 1.0/0.5/0.25/0.1/0.05, either random
+  blocks of 128 queries x 64 keys or the top-W keys of each query by the bias (flash-dmattn's
+  dynamic mask, W = density * Sk), causal and not.
+- decode: Sq = 1, Sk 4k..512k, bias and a random 64-key block mask of density 0.25.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+HEADS, HEADS_KV = 16, 4
+GROUP = HEADS // HEADS_KV
+TOKENS = 16384  # batch * seqlen of the dense sweep
+BLOCK_Q, BLOCK_K = 128, 64  # random block masks: 128 queries x 64 keys
+DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One attention shape and its operands.
+
+    bias: None, "key" ([B, Hkv, 1, Sk], one value per key) or "full" ([B, H, Sq, Sk]).
+    mask: None, "dense" (all True), "blocks" (random BLOCK_Q x BLOCK_K blocks visible with
+    probability `density`) or "topk" (the round(density * Sk) keys of largest bias per query).
+    """
+
+    suite: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int = 128
+    dtype: str = "bf16"
+    causal: bool = False
+    bias: str | None = None
+    mask: str | None = None
+    density: float = 1.0
+
+    @property
+    def name(self) -> str:
+        parts = [f"S{self.seqlen_q}" if self.seqlen_q == self.seqlen_k
+                 else f"Sq{self.seqlen_q} Sk{self.seqlen_k}", f"D{self.head_dim}", self.dtype]  # fmt: skip
+        if self.bias:
+            parts.append(f"bias {self.bias}")
+        if self.mask:
+            parts.append(
+                f"mask {self.mask}" + (f" {self.density:g}" if self.mask != "dense" else "")
+            )
+        if self.causal:
+            parts.append("causal")
+        return " ".join(parts)
+
+    def flops(self) -> float:
+        """Dense-equivalent forward FLOPs (QK^T and PV), halved under a square causal mask."""
+        dense = 4.0 * self.batch * HEADS * self.seqlen_q * self.seqlen_k * self.head_dim
+        return dense / 2 if self.causal and self.seqlen_q == self.seqlen_k else dense
+
+
+def dense_suite() -> list[Workload]:
+    sweep = [
+        Workload("dense", TOKENS // s, s, s, d, causal=causal)
+        for d in (64, 128, 256)
+        for causal in (False, True)
+        for s in (1024, 2048, 4096, 8192, 16384)
+    ]
+    fp16 = [Workload("dense", 4, 4096, 4096, 128, "fp16", c) for c in (False, True)]
+    return sweep + fp16
+
+
+def bias_suite() -> list[Workload]:
+    return [
+        Workload("bias", 2, 4096, 4096, 128, dtype, bias=bias, mask="dense")
+        for dtype in DTYPES
+        for bias in ("key", "full")
+    ]
+
+
+def sparse_suite() -> list[Workload]:
+    return [
+        Workload("sparse", 2, 4096, 4096, 128, causal=causal, bias="key", mask=kind, density=p)
+        for kind in ("blocks", "topk")
+        for causal in (False, True)
+        for p in DENSITIES
+    ]
+
+
+def decode_suite() -> list[Workload]:
+    return [
+        Workload("decode", 8, 1, sk, 128, bias="key", mask="blocks", density=0.25)
+        for sk in (4096, 32768, 131072, 524288)
+    ]
+
+
+SUITES = {
+    "dense": dense_suite,
+    "bias": bias_suite,
+    "sparse": sparse_suite,
+    "decode": decode_suite,
+}
+
+
+def quick_workloads() -> list[Workload]:
+    """A run of under two minutes: one workload of each kind at S=2k."""
+    return [
+        Workload("dense", 8, 2048, 2048, 128),
+        Workload("dense", 8, 2048, 2048, 128, causal=True),
+        Workload("bias", 8, 2048, 2048, 128, bias="key", mask="dense"),
+        Workload("sparse", 8, 2048, 2048, 128, bias="key", mask="blocks", density=0.25),
+        Workload("sparse", 8, 2048, 2048, 128, bias="key", mask="topk", density=0.25),
+        Workload("decode", 8, 1, 32768, 128, bias="key", mask="blocks", density=0.25),
+    ]
+
+
+@dataclass
+class Inputs:
+    q: Tensor  # [B, Sq, H, D]
+    k: Tensor  # [B, Sk, Hkv, D], as v
+    v: Tensor
+    mask: Tensor | None  # bool [B, Hkv, Sq, Sk]
+    bias: Tensor | None  # [B, Hkv, 1, Sk] or [B, H, Sq, Sk]
+    causal: bool
+
+    @property
+    def leaves(self) -> list[Tensor]:
+        return [t for t in (self.q, self.k, self.v, self.bias) if t is not None]
+
+
+def block_mask(w: Workload, device: str) -> Tensor:
+    """Random BLOCK_Q x BLOCK_K blocks, each visible w.p. density; in every query block one
+    key block (on the diagonal, or the last one for Sq < BLOCK_Q) stays visible."""
+    nq, nk = -(-w.seqlen_q // BLOCK_Q), -(-w.seqlen_k // BLOCK_K)
+    blocks = torch.rand(w.batch, HEADS_KV, nq, nk, device=device) < w.density
+    rows = torch.arange(nq, device=device)
+    diagonal = torch.clamp((rows * BLOCK_Q + (w.seqlen_k - w.seqlen_q)) // BLOCK_K, 0, nk - 1)
+    blocks[:, :, rows, diagonal] = True
+    mask = blocks.repeat_interleave(BLOCK_Q, 2).repeat_interleave(BLOCK_K, 3)
+    return mask[:, :, : w.seqlen_q, : w.seqlen_k]
+
+
+def make_inputs(w: Workload, device: str = "cuda", grad: bool = False) -> Inputs:
+    """Inputs of `w`, the same for every implementation (seeded)."""
+    from dmattn_cute import create_mask
+
+    torch.manual_seed(0)
+    kw = {"device": device, "dtype": DTYPES[w.dtype]}
+    q = torch.randn(w.batch, w.seqlen_q, HEADS, w.head_dim, **kw)
+    k, v = (torch.randn(w.batch, w.seqlen_k, HEADS_KV, w.head_dim, **kw) for _ in range(2))
+    bias = None
+    if w.bias == "key":
+        bias = torch.randn(w.batch, HEADS_KV, 1, w.seqlen_k, **kw)
+    elif w.bias == "full":
+        bias = torch.randn(w.batch, HEADS, w.seqlen_q, w.seqlen_k, **kw)
+    mask = None
+    shape = (w.batch, HEADS_KV, w.seqlen_q, w.seqlen_k)
+    if w.mask == "dense":
+        mask = torch.ones(shape, dtype=torch.bool, device=device)
+    elif w.mask == "blocks":
+        mask = block_mask(w, device)
+    elif w.mask == "topk":
+        scores = bias[:, :: bias.shape[1] // HEADS_KV].expand(shape)
+        keep = max(1, round(w.density * w.seqlen_k))
+        mask = create_mask(scores, keep, is_causal=w.causal)
+    for t in (q, k, v, bias):
+        if t is not None:
+            t.requires_grad_(grad)
+    return Inputs(q, k, v, mask, bias, w.causal)
+
+
+__all__ = ["SUITES", "Inputs", "Workload", "make_inputs", "quick_workloads"]
