@@ -70,7 +70,7 @@ def markdown(results: list[dict]) -> str:
         skipped = []
         for rec in recs:
             if "ms" not in rec:
-                reason = rec.get("skipped", "") + "; ".join(rec.get("errors", []))
+                reason = "; ".join(filter(None, [rec.get("skipped"), *rec.get("errors", [])]))
                 skipped.append(f"- {rec['workload']}: {rec['impl']}: {reason}")
                 continue
             row = [_cell(rec, key, fmt) for key, fmt in COLUMNS.values()]
@@ -96,6 +96,7 @@ def plot_speedup_vs_density(results: list[dict], path: Path) -> bool:
         return False
     fig, axes = plt.subplots(len(modes), len(kinds), figsize=(5 * len(kinds), 3.6 * len(modes)),
                              squeeze=False)  # fmt: skip
+    plotted = 0
     for i, mode in enumerate(modes):
         for j, kind in enumerate(kinds):
             ax = axes[i][j]
@@ -108,6 +109,7 @@ def plot_speedup_vs_density(results: list[dict], path: Path) -> bool:
                 pts = sorted((r["density"], base[0] / r["ms"]) for r in sel if r["impl"] == impl)
                 ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
                         linewidth=2.5 if impl == OURS else 1.2)  # fmt: skip
+            plotted += 1
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("mask density")
@@ -115,10 +117,11 @@ def plot_speedup_vs_density(results: list[dict], path: Path) -> bool:
             ax.set_title(f"{mode}, mask {kind}, bias [B,Hkv,1,Sk]")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if plotted:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
+    return plotted > 0
 
 
 def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) -> bool:
@@ -131,6 +134,7 @@ def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) 
     if not modes:
         return False
     fig, axes = plt.subplots(len(modes), 2, figsize=(10, 3.6 * len(modes)), squeeze=False)
+    plotted = 0
     for i, mode in enumerate(modes):
         for j, causal in enumerate((False, True)):
             ax = axes[i][j]
@@ -138,6 +142,7 @@ def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) 
             if not sel:
                 ax.set_visible(False)
                 continue
+            plotted += 1
             for impl in sorted({r["impl"] for r in sel}, key=lambda n: n != OURS):
                 pts = sorted((r["seqlen_q"], r["tflops"]) for r in sel if r["impl"] == impl)
                 ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
@@ -148,10 +153,11 @@ def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) 
             ax.set_title(f"{mode}, {'causal' if causal else 'not causal'}, D={head_dim} bf16")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if plotted:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
+    return plotted > 0
 
 
 def main(argv: list[str] | None = None) -> int:

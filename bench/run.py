@@ -136,8 +136,11 @@ def executed_fraction(w: Workload, x: Inputs, mode: str) -> float | None:
         padded = torch.nn.functional.pad(visible, (0, pk, 0, pq))
         b, h = padded.shape[:2]
         tiles = padded.view(b, h, (sq + pq) // tm, tm, (sk + pk) // tn, tn).any(5).any(3)
-        dense = b * h * sq * sk / (2 if w.causal and sq == sk else 1)
-        return float(tiles.sum()) * tm * tn / dense
+        # A tile computes its real rows and columns only (predicated tails, e.g. Sq = 1).
+        rows = (sq - torch.arange(0, sq, tm, device=tiles.device)).clamp(max=tm)
+        cols = (sk - torch.arange(0, sk, tn, device=tiles.device)).clamp(max=tn)
+        executed = (tiles.double() * rows[:, None] * cols[None, :]).sum().item()
+        return executed / (b * h * sq * sk / (2 if w.causal and sq == sk else 1))
 
     f_fwd, f_bwd = fraction(fwd.tile_m, fwd.tile_n), fraction(bwd.tile_m, bwd.tile_n)
     return {"fwd": f_fwd, "bwd": f_bwd, "fwdbwd": (f_fwd + 2.5 * f_bwd) / 3.5}[mode]

@@ -113,6 +113,9 @@ def test_executed_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
     assert 0.1 < fraction < 0.8
     dense = _small("dense")
     assert run.executed_fraction(dense, make_inputs(dense, "cpu"), "fwd") is None
+    # One query row: tiles count their real rows only.
+    decode = Workload("decode", 2, 1, 640, 32, bias="key", mask="blocks", density=1.0)
+    assert run.executed_fraction(decode, make_inputs(decode, "cpu"), "fwd") == pytest.approx(1.0)
 
 
 def _record(suite, mode, impl, ms, **extra) -> dict:
