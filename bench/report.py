@@ -59,6 +59,8 @@ def markdown(results: list[dict]) -> str:
             f"- command: `{env['command']}` ({env.get('wall_s', '?')} s)",
             f"- timing: {env['timer']}",
         ]
+        if env.get("edited"):
+            lines.append(f"- edited after the run: {env['edited']}")
     lines += ["", "How to read the tables:", "", HOW_TO_READ]
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for res in results:
