@@ -43,10 +43,10 @@ def _error(e: BaseException) -> str:
 
 
 def timed_call(call, x: Inputs, mode: str):
-    """The callable that one timed iteration runs in `mode`, and the forward output."""
+    """The callable that one timed iteration runs in `mode`, and the forward output where
+    that callable does not return it (bwd)."""
     if mode == "fwd":
-        fn = torch.no_grad()(call)
-        return fn, fn()
+        return torch.no_grad()(call), None
     dout = torch.randn_like(x.q)
     if mode == "bwd":
         out = call()
@@ -113,18 +113,17 @@ def executed_fraction(w: Workload, x: Inputs, mode: str) -> float | None:
     if x.mask is None or w.mask == "dense":
         return None
     from dmattn_cute.jit import target_arch
-    from dmattn_cute.kernels.bwd import BwdSpec
-    from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
+    from dmattn_cute.kernels.bwd_launch import backward_spec_of
+    from dmattn_cute.kernels.fwd_launch import forward_spec_of
+    from dmattn_cute.problem import make_problem
 
+    # The tiles the launches would pick, planned by the launches' own code.
     arch = target_arch(x.q.device)
-    mask_op = OperandSpec("u8", ("d", "d", "d", "1"), 16)
-    bias_op = None
-    if x.bias is not None:
-        strides = ("d", "d", "0" if x.bias.shape[2] == 1 else "d", "1")
-        bias_op = OperandSpec(w.dtype, strides, 8)
-    fwd = FwdSpec.build(arch, w.dtype, w.head_dim, mask_op, bias_op, w.causal, False).tile
-    bwd = BwdSpec.build(arch, w.dtype, w.head_dim, mask_op, bias_op, None, w.causal, False,
-                        False).tile  # fmt: skip
+    problem, mask4, bias4 = make_problem(
+        x.q, x.k, x.v, x.mask, x.bias, None, w.causal, 0.0, (-1, -1), False
+    )
+    fwd = forward_spec_of(problem, mask4, bias4, arch).tile
+    bwd = backward_spec_of(problem, mask4, bias4, x.bias is not None, arch).tile
     visible = x.mask
     sq, sk = w.seqlen_q, w.seqlen_k
     if w.causal:

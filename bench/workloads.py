@@ -167,7 +167,9 @@ def make_inputs(w: Workload, device: str = "cuda", grad: bool = False) -> Inputs
     elif w.mask == "blocks":
         mask = block_mask(w, device)
     elif w.mask == "topk":
-        scores = bias[:, :: bias.shape[1] // HEADS_KV].expand(shape)
+        if w.bias != "key":
+            raise ValueError(f"{w.name}: top-k masks are built from a per-key bias")
+        scores = bias.expand(shape)
         keep = max(1, round(w.density * w.seqlen_k))
         mask = create_mask(scores, keep, is_causal=w.causal)
     for t in (q, k, v, bias):

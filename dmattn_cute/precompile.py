@@ -27,7 +27,7 @@ from dmattn_cute.jit.arch import SUPPORTED_ARCHS
 from dmattn_cute.kernels.bwd_launch import backward_spec_of
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
 from dmattn_cute.kernels.fwd_launch import forward_spec_of
-from dmattn_cute.problem import make_problem
+from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, make_problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_HEAD_DIMS = (64, 128)
@@ -202,7 +202,8 @@ def precompile(
     return {"variants": len(todo), "compiled": compiled, "cached": cached}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The CLI's arguments (exits with usage on bad ones)."""
     parser = argparse.ArgumentParser(
         prog="python -m dmattn_cute.precompile",
         description="Compile dmattn_cute's kernels for a GPU architecture into the disk cache "
@@ -226,12 +227,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the variants, compile none")
     args = parser.parse_args(argv)
     for head_dim in args.head_dims:
-        if not (0 < head_dim <= 256 and head_dim % 8 == 0):
-            parser.error(f"--head-dims: expected multiples of 8 in [8, 256], got {head_dim}")
+        if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0):
+            parser.error(
+                f"--head-dims: expected multiples of {HEAD_DIM_MULTIPLE} in "
+                f"[{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}], got {head_dim}"
+            )
+    return args
+
+
+def patterns_of(args: argparse.Namespace) -> list[CallPattern]:
+    """The call patterns the parsed arguments select."""
+    return call_patterns(args.dtypes, args.head_dims, args.softcap, args.deterministic)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.cache_dir is not None:
         os.environ[cache.CACHE_ENV] = str(args.cache_dir)
 
-    patterns = call_patterns(args.dtypes, args.head_dims, args.softcap, args.deterministic)
+    patterns = patterns_of(args)
     if args.list:
         for label, spec in variants(args.arch, patterns):
             print(f"{label}: {spec}")

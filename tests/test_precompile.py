@@ -55,7 +55,8 @@ def test_dockerfile_step_fills_the_cache_then_hits_it(tmp_path: Path) -> None:
     args, _ = _dockerfile_precompile()
     args[args.index("--cache-dir") + 1] = str(tmp_path)
     first = _run_cli(args, tmp_path)
-    total = len(precompile.variants("sm_89", _patterns_of(args)))
+    patterns = precompile.patterns_of(precompile.parse_args(args))
+    total = len(precompile.variants("sm_89", patterns))
     assert f"sm_89: {total} kernel variants, {total} compiled, 0 already cached" in first
     assert len(list(tmp_path.rglob("*.o"))) == total
     print(f"\n{first.strip()}")
@@ -63,18 +64,6 @@ def test_dockerfile_step_fills_the_cache_then_hits_it(tmp_path: Path) -> None:
     second = _run_cli(args, tmp_path)
     assert f"sm_89: {total} kernel variants, 0 compiled, {total} already cached" in second
     print(second.strip())
-
-
-def _patterns_of(args: list[str]) -> list[precompile.CallPattern]:
-    def values(flag: str) -> list[str]:
-        i = args.index(flag) + 1
-        out = []
-        while i < len(args) and not args[i].startswith("--"):
-            out.append(args[i])
-            i += 1
-        return out
-
-    return precompile.call_patterns(values("--dtypes"), [int(d) for d in values("--head-dims")])
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
