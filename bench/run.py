@@ -269,13 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(timer_name, argv)
     print(json.dumps(env, indent=1), flush=True)
     records = []
+    results = {"environment": env, "records": records}
+    args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     for w, mode in runs:
         records += run_workload(w, mode, timer, impls)
-    env["wall_s"] = round(time.perf_counter() - start, 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = {"environment": env, "records": records}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        env["wall_s"] = round(time.perf_counter() - start, 1)
+        # Written after every workload: a run cut short keeps what it measured.
+        (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     from bench.report import markdown
 
     (args.out / "results.md").write_text(markdown([results]))
