@@ -37,7 +37,8 @@ HOW_TO_READ = """\
   key), so sparse rows can be compared with dense ones.
 - time / ours: this row's ms over ours (> 1: ours is faster).
 - peak MiB: memory one call allocates beyond its inputs; first call s: compile and warm-up,
-  excluded from ms; host ms: CPU time to enqueue one call (a row is host-bound where it nears
+  excluded from ms (ours: loading kernels compiled before timing, where the run says so, as
+  a user would precompile them; the peers compile in their first call); host ms: CPU time to enqueue one call (a row is host-bound where it nears
   ms).
 - rel err vs ours: ||out - ours|| / ||ours|| of the forward output, checked before timing; a
   peer above 2e-2 (bf16) / 1e-2 (fp16) is listed as skipped, not timed.
@@ -59,6 +60,15 @@ def markdown(results: list[dict]) -> str:
             f"- command: `{env['command']}` ({env.get('wall_s', '?')} s)",
             f"- timing: {env['timer']}",
         ]
+        compiled = env.get("ours_compile")
+        if compiled:
+            lines.append(
+                f"- our kernels, compiled before timing: {compiled['skipped']}"
+                if "skipped" in compiled
+                else f"- our kernels, compiled before timing: {compiled['variants']} variants "
+                f"({compiled['compiled']} compiled, {compiled['cached']} already in the disk "
+                f"cache) by {compiled['jobs']} processes in {compiled['seconds']} s"
+            )
         if env.get("edited"):
             lines.append(f"- edited after the run: {env['edited']}")
     lines += ["", "How to read the tables:", "", HOW_TO_READ]

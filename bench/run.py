@@ -18,6 +18,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -113,17 +114,13 @@ def executed_fraction(w: Workload, x: Inputs, mode: str) -> float | None:
     if x.mask is None or w.mask == "dense":
         return None
     from dmattn_cute.jit import target_arch
-    from dmattn_cute.kernels.bwd_launch import backward_spec_of
-    from dmattn_cute.kernels.fwd_launch import forward_spec_of
-    from dmattn_cute.problem import make_problem
+    from dmattn_cute.precompile import planned_kernels
 
-    # The tiles the launches would pick, planned by the launches' own code.
-    arch = target_arch(x.q.device)
-    problem, mask4, bias4 = make_problem(
-        x.q, x.k, x.v, x.mask, x.bias, None, w.causal, 0.0, (-1, -1), False
+    # The tiles the launches pick, planned by the launches' own code.
+    kernels = dict(
+        planned_kernels(target_arch(x.q.device), x.q, x.k, x.v, x.mask, x.bias, w.causal)
     )
-    fwd = forward_spec_of(problem, mask4, bias4, arch).tile
-    bwd = backward_spec_of(problem, mask4, bias4, x.bias is not None, arch).tile
+    fwd, bwd = kernels["fwd"].tile, kernels["bwd"].tile
     visible = x.mask
     sq, sk = w.seqlen_q, w.seqlen_k
     if w.causal:
@@ -143,6 +140,40 @@ def executed_fraction(w: Workload, x: Inputs, mode: str) -> float | None:
 
     f_fwd, f_bwd = fraction(fwd.tile_m, fwd.tile_n), fraction(bwd.tile_m, bwd.tile_n)
     return {"fwd": f_fwd, "bwd": f_bwd, "fwdbwd": (f_fwd + 2.5 * f_bwd) / 3.5}[mode]
+
+
+def our_variants(
+    runs: list[tuple[Workload, str]], device: str, arch: str
+) -> list[tuple[str, object]]:
+    """(label, spec) of each distinct kernel our runs launch, planned on their inputs."""
+    from dmattn_cute.precompile import planned_kernels
+
+    backward: dict[Workload, bool] = {}
+    for w, mode in runs:
+        backward[w] = backward.get(w, False) or mode != "fwd"
+    todo: dict[object, str] = {}
+    for w, bwd in backward.items():
+        x = make_inputs(w, device)
+        for kind, spec in planned_kernels(
+            arch, x.q, x.k, x.v, x.mask, x.bias, w.causal, backward=bwd
+        ):
+            todo.setdefault(spec, f"{kind} {w.name}")
+    return [(label, spec) for spec, label in todo.items()]
+
+
+def compile_ours(runs: list[tuple[Workload, str]], jobs: int) -> dict:
+    """Compiles our kernels for every run into the disk cache, `jobs` processes at a time, as a
+    user would precompile them; the first calls then load them. What it did is reported."""
+    from dmattn_cute.jit import cache, target_arch
+    from dmattn_cute.precompile import compile_variants
+
+    if cache.cache_dir() is None:
+        return {"skipped": f"the disk cache is off (${cache.CACHE_ENV})"}
+    start = time.perf_counter()
+    todo = our_variants(runs, "cuda", target_arch(torch.device("cuda")))
+    jobs = max(1, min(jobs, len(todo)))
+    counts = compile_variants(target_arch(torch.device("cuda")), todo, jobs, progress=False)
+    return {**counts, "jobs": jobs, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def run_workload(w: Workload, mode: str, timer, impls: list[str]) -> list[dict]:
@@ -252,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--impls", nargs="+", choices=tuple(PEERS), default=list(PEERS),
                         help="implementations to run (ours is always first)")  # fmt: skip
+    parser.add_argument("--compile-jobs", type=int, default=min(16, os.cpu_count() or 1),
+                        help="processes that compile our kernels before timing (0: each "
+                        "compiles in its first call, as the peers' do)")  # fmt: skip
     parser.add_argument("--list", action="store_true", help="list the runs, measure nothing")
     args = parser.parse_args(argv)
     runs = selected(args)
@@ -267,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     impls = [OURS] + [name for name in args.impls if name != OURS]
     timer_name, timer = make_timer()
     env = environment(timer_name, argv)
+    if args.compile_jobs > 0:
+        env["ours_compile"] = compile_ours(runs, args.compile_jobs)
     print(json.dumps(env, indent=1), flush=True)
     records = []
     results = {"environment": env, "records": records}

@@ -126,15 +126,25 @@ def kernel_specs(pattern: CallPattern, arch: str, device: str = "meta") -> list[
     """(kind, spec) of every kernel a call of `pattern` runs, forward and backward, planned on
     tensors of `device`."""
     q, k, v, mask, bias = pattern.inputs(device)
+    return planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
+
+
+def planned_kernels(
+    arch: str, q, k, v, mask, bias, is_causal=False, softcap=0.0, deterministic=False,
+    backward=True,
+) -> list[tuple[str, object]]:  # fmt: skip
+    """(kind, spec) of every kernel a flash_dmattn_func call on these tensors runs on `arch`
+    (its backward too, if `backward`), planned by the launches' own code."""
     problem, mask4, bias4 = make_problem(
-        q, k, v, mask, bias, None, pattern.is_causal, pattern.softcap, (-1, -1),
-        pattern.deterministic,
-    )  # fmt: skip
-    return [
-        ("fwd", forward_spec_of(problem, mask4, bias4, arch)),
-        ("bwd_pre", BwdPreprocessSpec.for_problem(problem.dtype, problem.head_dim)),
-        ("bwd", backward_spec_of(problem, mask4, bias4, bias is not None, arch)),
-    ]
+        q, k, v, mask, bias, None, is_causal, softcap, (-1, -1), deterministic
+    )
+    kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch))]
+    if backward:
+        kernels += [
+            ("bwd_pre", BwdPreprocessSpec.for_problem(problem.dtype, problem.head_dim)),
+            ("bwd", backward_spec_of(problem, mask4, bias4, bias is not None, arch)),
+        ]
+    return kernels
 
 
 def variants(arch: str, patterns: list[CallPattern]) -> list[tuple[str, object]]:
@@ -178,9 +188,16 @@ def precompile(
     """Fills the disk cache with every variant of `patterns` on `arch`.
 
     Returns counts: variants, compiled (new entries), cached (entries that were there)."""
+    return compile_variants(arch, variants(arch, patterns), jobs, progress)
+
+
+def compile_variants(
+    arch: str, todo: list[tuple[str, object]], jobs: int = 1, progress: bool = True
+) -> dict[str, int]:
+    """Fills the disk cache with the (label, spec) variants `todo` on `arch`; counts as
+    precompile's."""
     if cache.cache_dir() is None:
         raise ValueError(f"the disk cache is off (${cache.CACHE_ENV}); nothing to fill")
-    todo = variants(arch, patterns)
     bar = _Progress(len(todo)) if progress else None
     compiled = cached = 0
     if jobs <= 1:

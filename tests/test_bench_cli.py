@@ -118,6 +118,29 @@ def test_executed_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
     assert run.executed_fraction(decode, make_inputs(decode, "cpu"), "fwd") == pytest.approx(1.0)
 
 
+def test_our_variants_are_what_the_runs_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DMATTN_CUTE_ARCH", "sm_90a")
+    dense, plain = _small("dense"), _small(None, bias=None)
+    causal, blocks, topk = (
+        _small("dense", causal=True),
+        _small("blocks", 0.25),
+        _small("topk", 0.25),
+    )
+    fwd_only = run.our_variants([(dense, "fwd")], "cpu", "sm_90a")
+    assert [label.split()[0] for label, _ in fwd_only] == ["fwd"]
+    both = run.our_variants([(dense, "fwd"), (dense, "fwdbwd")], "cpu", "sm_90a")
+    assert [label.split()[0] for label, _ in both] == ["fwd", "bwd_pre", "bwd"]
+    assert both[0][1] == fwd_only[0][1]
+    # The causal flag and the operands make other kernels; the mask's contents do not.
+    more = run.our_variants(
+        [(w, "fwdbwd") for w in (dense, plain, causal, blocks, topk)], "cpu", "sm_90a"
+    )
+    assert {spec for _, spec in both} < {spec for _, spec in more}
+    assert sorted(label for label, _ in more if label.startswith("fwd ")) == sorted(
+        f"fwd {w.name}" for w in (dense, plain, causal)
+    )
+
+
 def _record(suite, mode, impl, ms, **extra) -> dict:
     w = extra.pop("w", Workload(suite, 2, 4096, 4096))
     return {"workload": w.name, **w.__dict__, "mode": mode, "impl": impl, "ms": ms,
@@ -138,12 +161,14 @@ def test_report_tables_and_plots(tmp_path: Path) -> None:
     records.append({**_record("dense", "fwd", "fa4", 1.0), "skipped": "not installed"})
     del records[-1]["ms"]
     env = {"gpu": "Test GPU", "date": "2026-11-22 00:00 UTC", "versions": {"torch": "x"},
-           "python": "3", "command": "python3 -m bench.run", "timer": "t"}  # fmt: skip
+           "python": "3", "command": "python3 -m bench.run", "timer": "t",
+           "ours_compile": {"variants": 3, "compiled": 2, "cached": 1, "jobs": 2, "seconds": 9.5}}  # fmt: skip
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"environment": env, "records": records}))
     assert report.main([str(path), "--out", str(tmp_path), "--name", "r"]) == 0
     text = (tmp_path / "r.md").read_text()
     assert "## sparse, fwd" in text and "## dense, fwd" in text and "Test GPU" in text
     assert "fa4: not installed" in text
+    assert "3 variants (2 compiled, 1 already in the disk cache) by 2 processes in 9.5 s" in text
     for name in ("r_speedup_vs_density.png", "r_tflops_vs_seqlen.png"):
         assert (tmp_path / name).stat().st_size > 10_000
