@@ -127,6 +127,9 @@ def flex(x: Inputs) -> Candidates:
         # Each workload's score_mod and BlockMask is one more compiled variant.
         torch._dynamo.config.recompile_limit = 256
         torch._dynamo.config.cache_size_limit = 256
+        # The bwd mode times backward() alone on a retained graph, which compiled backwards
+        # with donated buffers refuse.
+        torch._functorch.config.donated_buffer = False
         _flex.append(torch.compile(flex_attention, dynamic=False))
     b, sq, sk = x.q.shape[0], x.q.shape[1], x.k.shape[1]
     bias, mask, offset = x.bias, x.mask, sk - sq

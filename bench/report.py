@@ -1,15 +1,16 @@
 """Tables and plots from the benchmark's results.json files (runs anywhere; plots need
 matplotlib).
 
-    python3 -m bench.report RESULTS.json [MORE.json ...] --out bench/results --name NAME
+    python3 -m bench.report RESULTS.json[.gz] [MORE ...] --out bench/results --name NAME
 
-Writes NAME.md (every measurement, by suite and mode, with the environment of each run) and
-NAME_speedup_vs_density.png / NAME_tflops_vs_seqlen.png.
+Writes NAME.md (a summary table per suite and mode, then every measurement, with the
+environment of each run) and NAME_speedup_vs_density.png / NAME_tflops_vs_seqlen.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -71,13 +72,14 @@ def markdown(results: list[dict]) -> str:
             )
         if env.get("edited"):
             lines.append(f"- edited after the run: {env['edited']}")
-    lines += ["", "How to read the tables:", "", HOW_TO_READ]
+    lines += ["", "How to read the tables:", "", HOW_TO_READ, "## Summary", "", summary(results)]
+    lines += ["## Every measurement", ""]
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for res in results:
         for rec in res["records"]:
             groups[rec["suite"], rec["mode"]].append(rec)
     for (suite, mode), recs in groups.items():
-        lines += [f"## {suite}, {mode}", ""]
+        lines += [f"### {suite}, {mode}", ""]
         lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         skipped = []
         for rec in recs:
@@ -91,6 +93,52 @@ def markdown(results: list[dict]) -> str:
             lines += ["", "Not timed:", "", *sorted(set(skipped))]
         lines.append("")
     return "\n".join(lines)
+
+
+def _peer_order(recs: list[dict]) -> list[str]:
+    seen: dict[str, None] = {}
+    for rec in recs:
+        if rec["impl"] != OURS and "ms" in rec:
+            seen.setdefault(rec["impl"])
+    return list(seen)
+
+
+def summary(results: list[dict]) -> str:
+    """One row per workload and mode: our ms and TFLOP/s, then each peer's ms and its time
+    over ours (> 1: ours is faster); "-" where a peer was not timed."""
+    groups: dict[tuple[str, str], dict[str, dict[str, dict]]] = defaultdict(dict)
+    for res in results:
+        for rec in res["records"]:
+            groups[rec["suite"], rec["mode"]].setdefault(rec["workload"], {})[rec["impl"]] = rec
+    lines = []
+    for (suite, mode), rows in groups.items():
+        peers = _peer_order([rec for row in rows.values() for rec in row.values()])
+        lines += [f"### {suite}, {mode} (ms; peers: ms and time / ours)", ""]
+        head = ["workload", "ours", "TFLOP/s dense-eq (executed)", *peers]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for workload, impls in rows.items():
+            ours = impls.get(OURS, {})
+            tflops = _cell(ours, "tflops", ".0f")
+            if ours.get("executed_tflops") is not None:
+                tflops += f" ({ours['executed_tflops']:.0f})"
+            cells = [workload, f"**{_cell(ours, 'ms', '.3f')}**", tflops]
+            for peer in peers:
+                rec = impls.get(peer, {})
+                cells.append(
+                    f"{rec['ms']:.3f} ({rec['speedup']:.2f})"
+                    if "ms" in rec and "speedup" in rec
+                    else _cell(rec, "ms", ".3f")
+                )
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load(path: Path) -> dict:
+    """A results file of bench.run, as written (.json) or gzipped for the repository
+    (.json.gz)."""
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
 
 
 def _timed(results: list[dict]) -> list[dict]:
@@ -131,7 +179,7 @@ def plot_speedup_vs_density(results: list[dict], path: Path) -> bool:
             ax.legend(fontsize=8)
     if plotted:
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=80)
     plt.close(fig)
     return plotted > 0
 
@@ -167,7 +215,7 @@ def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) 
             ax.legend(fontsize=8)
     if plotted:
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=80)
     plt.close(fig)
     return plotted > 0
 
@@ -175,11 +223,13 @@ def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m bench.report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("results", type=Path, nargs="+", help="results.json of bench.run")
+    parser.add_argument(
+        "results", type=Path, nargs="+", help="results.json (or .json.gz) of bench.run"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--name", required=True, help="file name prefix, e.g. 2026-11-22_H200")
     args = parser.parse_args(argv)
-    results = [json.loads(p.read_text()) for p in args.results]
+    results = [load(p) for p in args.results]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.md").write_text(markdown(results))
     written = [f"{args.name}.md"]

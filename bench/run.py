@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -264,6 +265,8 @@ def selected(args) -> list[tuple[Workload, str]]:
     workloads = quick_workloads() if args.quick else [
         w for suite in args.suites for w in SUITES[suite]()
     ]  # fmt: skip
+    if args.only:
+        workloads = [w for w in workloads if re.search(args.only, w.name)]
     modes = ("fwd", "fwdbwd") if args.quick else args.modes
     # Decode has no backward.
     return [(w, m) for w in workloads for m in modes if w.suite != "decode" or m == "fwd"]
@@ -281,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="one workload of each kind at S=2k, fwd and fwdbwd (< 2 minutes)")  # fmt: skip
     parser.add_argument("--suites", nargs="+", choices=tuple(SUITES), default=list(SUITES))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--only", metavar="REGEX", help="workloads whose name matches REGEX")
     parser.add_argument("--impls", nargs="+", choices=tuple(PEERS), default=list(PEERS),
                         help="implementations to run (ours is always first)")  # fmt: skip
     parser.add_argument("--compile-jobs", type=int, default=min(16, os.cpu_count() or 1),

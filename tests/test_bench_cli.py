@@ -1,6 +1,7 @@
 """The benchmark without a GPU: its command line, workloads, inputs, the peers' semantics (SDPA
 math on CPU against ours), the executed-tile count, and the report's tables and plots."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -33,6 +34,10 @@ def test_help_and_list() -> None:
     decode = [line for line in full if line.startswith("decode")]
     assert decode and all(line.split()[1] == "fwd" for line in decode)
     assert any("Sk524288" in line for line in decode)
+    only = _cli("--suites", "dense", "--modes", "bwd", "--only", "^S2048 D128 bf16( causal)?$",
+                "--list").strip().splitlines()  # fmt: skip
+    assert only == ["dense   bwd    S2048 D128 bf16", "dense   bwd    S2048 D128 bf16 causal",
+                    "2 runs"]  # fmt: skip
 
 
 def test_suites_cover_the_issue() -> None:
@@ -158,17 +163,24 @@ def test_report_tables_and_plots(tmp_path: Path) -> None:
         w = Workload("dense", 16384 // s, s, s)
         records += [_record("dense", "fwd", "ours", s / 1000, w=w),
                     _record("dense", "fwd", "sdpa_flash", s / 900, w=w)]  # fmt: skip
+    for rec in records:
+        rec["speedup"] = rec["ms"] / next(
+            r["ms"] for r in records if r["workload"] == rec["workload"] and r["impl"] == "ours"
+        )
     records.append({**_record("dense", "fwd", "fa4", 1.0), "skipped": "not installed"})
     del records[-1]["ms"]
     env = {"gpu": "Test GPU", "date": "2026-11-22 00:00 UTC", "versions": {"torch": "x"},
            "python": "3", "command": "python3 -m bench.run", "timer": "t",
            "ours_compile": {"variants": 3, "compiled": 2, "cached": 1, "jobs": 2, "seconds": 9.5}}  # fmt: skip
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps({"environment": env, "records": records}))
+    path = tmp_path / "results.json.gz"  # committed results are gzipped
+    path.write_bytes(gzip.compress(json.dumps({"environment": env, "records": records}).encode()))
     assert report.main([str(path), "--out", str(tmp_path), "--name", "r"]) == 0
     text = (tmp_path / "r.md").read_text()
     assert "## sparse, fwd" in text and "## dense, fwd" in text and "Test GPU" in text
     assert "fa4: not installed" in text
+    # Summary: one row per workload, ours first, each peer's ms and time over ours.
+    assert "### dense, fwd (ms; peers: ms and time / ours)" in text
+    assert "| S1024 D128 bf16 | **1.024** | 134 | 1.138 (1.11) |" in text
     assert "3 variants (2 compiled, 1 already in the disk cache) by 2 processes in 9.5 s" in text
     for name in ("r_speedup_vs_density.png", "r_tflops_vs_seqlen.png"):
         assert (tmp_path / name).stat().st_size > 10_000
