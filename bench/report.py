@@ -81,16 +81,20 @@ def markdown(results: list[dict]) -> str:
     for (suite, mode), recs in groups.items():
         lines += [f"### {suite}, {mode}", ""]
         lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        skipped = []
+        skipped: dict[tuple[str, str], list[str]] = defaultdict(list)
         for rec in recs:
             if "ms" not in rec:
                 reason = "; ".join(filter(None, [rec.get("skipped"), *rec.get("errors", [])]))
-                skipped.append(f"- {rec['workload']}: {rec['impl']}: {reason}")
+                skipped[rec["impl"], reason].append(rec["workload"])
                 continue
             row = [_cell(rec, key, fmt) for key, fmt in COLUMNS.values()]
             lines.append("| " + " | ".join(row) + " |")
         if skipped:
-            lines += ["", "Not timed:", "", *sorted(set(skipped))]
+            lines += ["", "Not timed:", ""]
+            total = len({rec["workload"] for rec in recs})
+            for (impl, reason), names in sorted(skipped.items()):
+                where = "every workload" if len(names) == total else ", ".join(names)
+                lines.append(f"- {impl}: {reason} ({where})")
         lines.append("")
     return "\n".join(lines)
 
@@ -191,7 +195,7 @@ def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) 
     recs = [r for r in _timed(results)
             if r["suite"] == "dense" and r["head_dim"] == head_dim and r["dtype"] == "bf16"]  # fmt: skip
     modes = [m for m in ("fwd", "bwd", "fwdbwd") if any(r["mode"] == m for r in recs)]
-    if not modes:
+    if not modes or len({r["seqlen_q"] for r in recs}) < 2:
         return False
     fig, axes = plt.subplots(len(modes), 2, figsize=(10, 3.6 * len(modes)), squeeze=False)
     plotted = 0

@@ -177,7 +177,7 @@ def test_report_tables_and_plots(tmp_path: Path) -> None:
     assert report.main([str(path), "--out", str(tmp_path), "--name", "r"]) == 0
     text = (tmp_path / "r.md").read_text()
     assert "## sparse, fwd" in text and "## dense, fwd" in text and "Test GPU" in text
-    assert "fa4: not installed" in text
+    assert "- fa4: not installed (S4096 D128 bf16)" in text
     # Summary: one row per workload, ours first, each peer's ms and time over ours.
     assert "### dense, fwd (ms; peers: ms and time / ours)" in text
     assert "| S1024 D128 bf16 | **1.024** | 134 | 1.138 (1.11) |" in text
