@@ -46,18 +46,23 @@ def _sdpa_causal(x: Inputs) -> bool:
     return x.causal
 
 
-def sdpa_flash(x: Inputs) -> Candidates:
-    if x.mask is not None or x.bias is not None:
-        raise Unsupported("no mask or bias in the flash backend")
+def _sdpa_unmasked(x: Inputs, backend: SDPBackend) -> Candidates:
+    """SDPA on a workload without mask or bias: causal flag and GQA left to SDPA."""
     causal = _sdpa_causal(x)
     q, k, v = _heads_first(x.q, x.k, x.v)
 
     def run() -> Tensor:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         return out.transpose(1, 2)
 
     yield "enable_gqa", run
+
+
+def sdpa_flash(x: Inputs) -> Candidates:
+    if x.mask is not None or x.bias is not None:
+        raise Unsupported("no mask or bias in the flash backend")
+    yield from _sdpa_unmasked(x, SDPBackend.FLASH_ATTENTION)
 
 
 def _additive(x: Inputs) -> Tensor | None:
@@ -104,17 +109,9 @@ def sdpa_math(x: Inputs) -> Candidates:
     if b * HEADS * sq * sk > MATH_MAX_SCORES:
         raise Unsupported(f"scores [B,H,Sq,Sk] of {b * HEADS * sq * sk:.2e} elements")
     if x.bias is None and x.mask is None:
-        causal = _sdpa_causal(x)
-        q, k, v = _heads_first(x.q, x.k, x.v)
-
-        def run() -> Tensor:
-            with sdpa_kernel(SDPBackend.MATH):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-            return out.transpose(1, 2)
-
-        yield "enable_gqa", run
-        return
-    yield from sdpa_efficient(x, SDPBackend.MATH)
+        yield from _sdpa_unmasked(x, SDPBackend.MATH)
+    else:
+        yield from sdpa_efficient(x, SDPBackend.MATH)
 
 
 _flex: list[Callable] = []  # torch.compile(flex_attention), made once

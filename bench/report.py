@@ -149,6 +149,25 @@ def _timed(results: list[dict]) -> list[dict]:
     return [rec for res in results for rec in res["records"] if "ms" in rec]
 
 
+def _plot_impls(ax, recs: list[dict], point) -> None:
+    """One line per implementation (ours first and thicker) through point(record) = (x, y)."""
+    # Sorted by name after ours: the same colours in every run (set order varies).
+    for impl in sorted({r["impl"] for r in recs}, key=lambda n: (n != OURS, n)):
+        pts = sorted(point(r) for r in recs if r["impl"] == impl)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
+                linewidth=2.5 if impl == OURS else 1.2)  # fmt: skip
+
+
+def _save(fig, path: Path, plotted: int) -> bool:
+    import matplotlib.pyplot as plt
+
+    if plotted:
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return plotted > 0
+
+
 def plot_speedup_vs_density(results: list[dict], path: Path) -> bool:
     """Sparse suite: each implementation's speedup over our dense-mask time, vs density."""
     import matplotlib.pyplot as plt
@@ -169,10 +188,7 @@ def plot_speedup_vs_density(results: list[dict], path: Path) -> bool:
             if not base:
                 ax.set_visible(False)
                 continue
-            for impl in sorted({r["impl"] for r in sel}, key=lambda n: n != OURS):
-                pts = sorted((r["density"], base[0] / r["ms"]) for r in sel if r["impl"] == impl)
-                ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
-                        linewidth=2.5 if impl == OURS else 1.2)  # fmt: skip
+            _plot_impls(ax, sel, lambda r, b=base[0]: (r["density"], b / r["ms"]))
             plotted += 1
             ax.set_xscale("log")
             ax.set_yscale("log")
@@ -181,11 +197,7 @@ def plot_speedup_vs_density(results: list[dict], path: Path) -> bool:
             ax.set_title(f"{mode}, mask {kind}, bias [B,Hkv,1,Sk]")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-    if plotted:
-        fig.tight_layout()
-        fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return plotted > 0
+    return _save(fig, path, plotted)
 
 
 def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) -> bool:
@@ -207,21 +219,14 @@ def plot_tflops_vs_seqlen(results: list[dict], path: Path, head_dim: int = 128) 
                 ax.set_visible(False)
                 continue
             plotted += 1
-            for impl in sorted({r["impl"] for r in sel}, key=lambda n: n != OURS):
-                pts = sorted((r["seqlen_q"], r["tflops"]) for r in sel if r["impl"] == impl)
-                ax.plot(*zip(*pts, strict=True), marker="o", label=impl,
-                        linewidth=2.5 if impl == OURS else 1.2)  # fmt: skip
+            _plot_impls(ax, sel, lambda r: (r["seqlen_q"], r["tflops"]))
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length (batch x seqlen = 16k)")
             ax.set_ylabel("TFLOP/s")
             ax.set_title(f"{mode}, {'causal' if causal else 'not causal'}, D={head_dim} bf16")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    if plotted:
-        fig.tight_layout()
-        fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return plotted > 0
+    return _save(fig, path, plotted)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,9 +171,10 @@ def compile_ours(runs: list[tuple[Workload, str]], jobs: int) -> dict:
     if cache.cache_dir() is None:
         return {"skipped": f"the disk cache is off (${cache.CACHE_ENV})"}
     start = time.perf_counter()
-    todo = our_variants(runs, "cuda", target_arch(torch.device("cuda")))
+    arch = target_arch(torch.device("cuda"))
+    todo = our_variants(runs, "cuda", arch)
     jobs = max(1, min(jobs, len(todo)))
-    counts = compile_variants(target_arch(torch.device("cuda")), todo, jobs, progress=False)
+    counts = compile_variants(arch, todo, jobs, progress=False)
     return {**counts, "jobs": jobs, "seconds": round(time.perf_counter() - start, 1)}
 
 
