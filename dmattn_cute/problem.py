@@ -14,7 +14,7 @@ from numbers import Integral, Real
 import torch
 from torch import Tensor
 
-from dmattn_cute.jit.arch import arch_for_capability
+from dmattn_cute.jit.arch import device_arch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -84,13 +84,12 @@ def check_device(device: torch.device) -> None:
     """
     if device.type != "cuda":
         return
-    major, minor = torch.cuda.get_device_capability(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
     try:
-        arch_for_capability(major, minor)
+        device_arch(index)  # cached per device: this runs on every call
     except ValueError as err:
         raise ValueError(
-            f"query: expected a CUDA device the kernels support, got {device} of compute "
-            f"capability {major}.{minor}: {err}"
+            f"query: expected a CUDA device the kernels support, got {device}: {err}"
         ) from err
 
 

@@ -58,9 +58,9 @@ def test_env_override_rejects_unknown_arch(monkeypatch: pytest.MonkeyPatch, bad:
 
 @pytest.fixture
 def fresh_device_cache():
-    arch._device_arch.cache_clear()
+    arch.device_arch.cache_clear()
     yield
-    arch._device_arch.cache_clear()
+    arch.device_arch.cache_clear()
 
 
 @pytest.mark.parametrize(("capability", "expected"), [((8, 6), "sm_86"), ((9, 0), "sm_90a")])

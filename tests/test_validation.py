@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dmattn_cute.attention import flash_dmattn_func
+from dmattn_cute.jit.arch import device_arch
 from dmattn_cute.problem import check_device, make_problem, normalize_broadcast
 
 B, SQ, SK, H, HKV, D = 2, 3, 5, 4, 2, 16
@@ -325,6 +326,15 @@ def test_packed_qkv_slices_pass():
     assert problem.num_heads == H and problem.num_heads_kv == HKV
 
 
+@pytest.fixture
+def fresh_device_arch():
+    """check_device caches each device's answer: start and end with none (a faked capability
+    must not outlive its test)."""
+    device_arch.cache_clear()
+    yield
+    device_arch.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("capability", "supported"),
     [
@@ -337,7 +347,7 @@ def test_packed_qkv_slices_pass():
         ((9, 0), True),
     ],
 )
-def test_cuda_capability_check(monkeypatch, capability, supported):
+def test_cuda_capability_check(monkeypatch, fresh_device_arch, capability, supported):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     device = torch.device("cuda", 0)
     if supported:

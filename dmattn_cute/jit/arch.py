@@ -79,13 +79,15 @@ def target_arch(device: torch.device | None = None) -> str:
             f"{', '.join(SUPPORTED_ARCHS)} to compile offline"
         )
     if device is None or device.index is None:
-        return _device_arch(torch.cuda.current_device())
-    return _device_arch(device.index)
+        return device_arch(torch.cuda.current_device())
+    return device_arch(device.index)
 
 
 @functools.cache
-def _device_arch(index: int) -> str:
+def device_arch(index: int) -> str:
+    """The compile target of CUDA device ``index``; ValueError if the kernels have none."""
     # Asking the driver costs microseconds on every launch; a device's capability never changes.
+    # (A ValueError is not cached: functools.cache stores results only.)
     return arch_for_capability(*torch.cuda.get_device_capability(index))
 
 

@@ -113,22 +113,24 @@ def example_args(spec: BwdSpec) -> list:
 
 
 def _dbias_buffers(
-    problem: Problem, bias: torch.Tensor | None, bias_grad: bool
+    problem: Problem, bias: torch.Tensor | None, bias_grad: bool, device=None
 ) -> tuple[str, tuple[bool, bool], torch.Tensor | None, torch.Tensor | None]:
     """(kind, fold, dbias, dbias_buf): the dbias returned to the caller and the buffer the
-    kernel writes (the same tensor for "direct"), both zeroed; None where there is none."""
+    kernel writes (the same tensor for "direct"), both zeroed, on `device` (default: the
+    bias's); None where there is none."""
     if bias is None or not bias_grad:
         return "zero", (False, False), None, None
     kind, *fold = dbias_plan(problem, bias.shape)
+    device = bias.device if device is None else device
     dbias = dbias_buf = None
     if kind == "direct":
         # Zeroed: tiles that causal/window ranges or all-False mask tiles skip are never
         # written by the kernel.
-        dbias = dbias_buf = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+        dbias = dbias_buf = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
     elif kind == "sum":
-        dbias_buf = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        dbias_buf = torch.zeros(bias.shape, dtype=torch.float32, device=device)
     else:
-        dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+        dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
     return kind, tuple(fold), dbias, dbias_buf
 
 
@@ -143,7 +145,8 @@ def backward_spec_of(
     the meta device, e.g. to list variants for an offline compile)."""
     mask_k = None if mask is None else _operand_view(mask)
     bias_k = None if bias is None else _operand_view(bias)
-    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad)
+    # Planning only needs the buffer's strides: allocated on the meta device.
+    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta")
     dbias_view = None if dbias_buf is None else broadcast_view(dbias_buf)
     return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
 
