@@ -3,10 +3,32 @@ runs the CuTe kernels on CUDA tensors and the float32 reference elsewhere."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from dmattn_cute.ops import attention_fwd
 from dmattn_cute.problem import check_bool, check_problem
+
+
+def _storage_view(bias: Tensor) -> Tensor:
+    """An expand()ed bias that requires grad, re-viewed as the storage it reads.
+
+    `b.expand(B, H, S, S)` of a `[B, H, 1, S]` tensor has stride 0 on the expanded dims; its
+    gradient as a `[B, H, S, S]` tensor would need an attention-sized buffer, only for
+    autograd's expand backward to sum it back. Viewed from its base with size 1 on those dims
+    (same storage, same strides), the op reduces dbias in the kernel, into a buffer no larger
+    than the base, and autograd passes it straight to the base. Other biases pass unchanged,
+    and so does every bias under torch.compile, which cannot trace a storage offset: there an
+    expanded bias's gradient goes through autograd's expand (pass the unexpanded bias).
+    """
+    if torch.compiler.is_compiling():
+        return bias
+    base = bias._base
+    expanded = any(st == 0 and n > 1 for n, st in zip(bias.shape, bias.stride(), strict=True))
+    if not (expanded and bias.requires_grad and base is not None and base.requires_grad):
+        return bias
+    shape = [1 if st == 0 else n for n, st in zip(bias.shape, bias.stride(), strict=True)]
+    return base.as_strided(shape, bias.stride(), bias.storage_offset())
 
 
 def flash_dmattn_func(
@@ -45,12 +67,12 @@ def flash_dmattn_func(
         deterministic,
     )
     check_bool("return_lse", return_lse)
-    out, lse = attention_fwd(
+    out, lse, _ = attention_fwd(
         query,
         key,
         value,
         attn_mask,
-        attn_bias,
+        None if attn_bias is None else _storage_view(attn_bias),
         problem.softmax_scale,
         problem.is_causal,
         problem.softcap,

@@ -15,6 +15,8 @@ allocation), which the autograd formula turns into None.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -81,8 +83,10 @@ def attention_fwd(
     window_left: int,
     window_right: int,
     deterministic: bool,
-) -> tuple[Tensor, Tensor]:
-    """out [B, Sq, H, D] (query's dtype) and lse [B, H, Sq] float32, both contiguous.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """out [B, Sq, H, D] (query's dtype), lse [B, H, Sq] float32 and the backward's softmax
+    stats [B, H, 2, Sq] float32 (per row: max score, log2 of the row sum; what the backward
+    rebuilds P from where lse has lost the sum to rounding), all contiguous.
 
     ``deterministic`` does not change the forward; it is carried to the backward op.
     """
@@ -93,15 +97,21 @@ def attention_fwd(
     if query.device.type == "cuda":
         return flash_fwd(problem, query, key, value, mask, bias)
     out, lse = _reference(query, key, value, attn_mask, attn_bias, problem)
-    return out.contiguous(), lse.contiguous()
+    # The reference backward needs no stats; these are their definition with a zero max.
+    log2sum = torch.where(lse == -math.inf, math.inf, lse * math.log2(math.e))
+    stats = torch.stack([torch.zeros_like(lse), log2sum], dim=2)
+    return out.contiguous(), lse.contiguous(), stats
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(query, key, value, attn_mask, attn_bias, *_) -> tuple[Tensor, Tensor]:
+def _attention_fwd_fake(
+    query, key, value, attn_mask, attn_bias, *_
+) -> tuple[Tensor, Tensor, Tensor]:
     batch, seqlen_q, heads, _ = query.shape
     out = query.new_empty(query.shape)
     lse = query.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
-    return out, lse
+    stats = query.new_empty((batch, heads, 2, seqlen_q), dtype=torch.float32)
+    return out, lse, stats
 
 
 @torch.library.custom_op("dmattn_cute::bwd", mutates_args=())
@@ -113,7 +123,7 @@ def attention_bwd(
     attn_mask: Tensor | None,
     attn_bias: Tensor | None,
     out: Tensor,
-    lse: Tensor,
+    stats: Tensor,
     softmax_scale: float,
     is_causal: bool,
     softcap: float,
@@ -131,7 +141,7 @@ def attention_bwd(
     bias_grad = bias_grad and attn_bias is not None
     if query.device.type == "cuda":
         dq, dk, dv, dbias = flash_bwd(
-            problem, dout, query, key, value, mask, bias, out, lse, bias_grad
+            problem, dout, query, key, value, mask, bias, out, stats, bias_grad
         )
         # The kernels work on the 4-D view; a 3-D bias gets its gradient in its own shape.
         dbias = dbias.view(attn_bias.shape) if bias_grad else query.new_empty(0)
@@ -146,7 +156,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(
-    dout, query, key, value, attn_mask, attn_bias, out, lse, *flags
+    dout, query, key, value, attn_mask, attn_bias, out, stats, *flags
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     bias_grad = flags[-1] and attn_bias is not None
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad else query.new_empty(0)
@@ -158,19 +168,21 @@ def _attention_bwd_fake(
     )
 
 
-def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) -> None:
     query, key, value, attn_mask, attn_bias, *params = inputs
-    out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, attn_bias, out, lse)
+    out, lse, stats = output
+    ctx.save_for_backward(query, key, value, attn_mask, attn_bias, out, stats)
     ctx.params = params
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, stats)
 
 
-def _backward(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-    query, key, value, attn_mask, attn_bias, out, lse = ctx.saved_tensors
+def _backward(
+    ctx, dout: Tensor, _dlse: Tensor | None, _dstats: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    query, key, value, attn_mask, attn_bias, out, stats = ctx.saved_tensors
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
     dq, dk, dv, dbias = attention_bwd(
-        dout, query, key, value, attn_mask, attn_bias, out, lse, *ctx.params, bias_grad
+        dout, query, key, value, attn_mask, attn_bias, out, stats, *ctx.params, bias_grad
     )
     # No gradient for the mask or the scalar arguments.
     return dq, dk, dv, None, dbias if bias_grad else None, *([None] * len(ctx.params))

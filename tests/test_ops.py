@@ -59,9 +59,9 @@ def test_opcheck_fwd(device, mask_shape, bias_shape, flags) -> None:
 def test_opcheck_bwd(device, mask_shape, bias_shape, bias_grad) -> None:
     q, k, v, mask, bias = _inputs(device, mask_shape, bias_shape, grad=False)
     flags = _flags(is_causal=True)
-    out, lse = attention_fwd(q, k, v, mask, bias, *flags)
+    out, _, stats = attention_fwd(q, k, v, mask, bias, *flags)
     dout = torch.randn_like(out)
-    torch.library.opcheck(attention_bwd, (dout, q, k, v, mask, bias, out, lse, *flags, bias_grad))
+    torch.library.opcheck(attention_bwd, (dout, q, k, v, mask, bias, out, stats, *flags, bias_grad))
 
 
 @pytest.mark.parametrize(("mask_shape", "bias_shape"), OPERANDS)
@@ -86,8 +86,10 @@ def test_fake_shapes(mask_shape, bias_shape, bias_dtype) -> None:
 def test_fake_bwd_returns_empty_dbias_when_not_asked(bias_grad) -> None:
     with FakeTensorMode():
         q, k, v, mask, bias = _inputs("cpu", None, (1, HKV, SK), grad=False)
-        out, lse = attention_fwd(q, k, v, mask, bias, *_flags())
-        dq, dk, dv, dbias = attention_bwd(out, q, k, v, mask, bias, out, lse, *_flags(), bias_grad)
+        out, _, stats = attention_fwd(q, k, v, mask, bias, *_flags())
+        dq, dk, dv, dbias = attention_bwd(
+            out, q, k, v, mask, bias, out, stats, *_flags(), bias_grad
+        )
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert dbias.shape == (bias.shape if bias_grad else (0,))
 

@@ -2,7 +2,8 @@
 
 The CTA keeps its K and V tiles in shared memory and dK, dV in registers, and walks the query
 heads of its group and the query blocks its causal/window range allows. Per (head, query
-block) step it recomputes S from the bias-first accumulator, P = exp(S - lse), then
+block) step it recomputes S from the bias-first accumulator, P = exp(S - max - log sum) from
+the forward's per-row stats, then
 dP = dO V^T, dS = P (dP - dpsum), and accumulates dV += P^T dO, dK += dS^T Q; dQ = dS K is
 added to an fp32 accumulator in global memory. With a mask, the CTA scans the mask tiles of
 the next SCAN_BLOCKS query blocks first: an all-False tile is skipped by the whole CTA (no
@@ -39,7 +40,7 @@ from cutlass import cute
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
-from . import masking, tiles
+from . import masking, scores, tiles
 from .config import (
     BwdTile,
     bwd_region_bytes,
@@ -49,7 +50,7 @@ from .config import (
     tile_row_elems,
     warp_grid,
 )
-from .fwd import DTYPES, LOG2E, OperandSpec
+from .fwd import DTYPES, OperandSpec
 from .masking import SCAN_BLOCKS
 from .utils import acc_mn_view, red_add_f32x2
 
@@ -199,7 +200,7 @@ class FlashBwd:
         mK: cute.Tensor,  # [B, Sk, Hkv, D]
         mV: cute.Tensor,  # [B, Sk, Hkv, D]
         mdO: cute.Tensor,  # [B, Sq, H, D]
-        mLSE: cute.Tensor,  # [B, H, Sq] fp32, natural log
+        mStats: cute.Tensor,  # [B, H, 2, Sq] fp32: the forward's row max and log2 row sum
         mDpsum: cute.Tensor,  # [B, H, Sq] fp32
         mdQacc: cute.Tensor,  # [B, Sq, H, D] fp32, zeroed
         mdK: cute.Tensor,  # [B, Sk, Hkv, D]
@@ -246,7 +247,7 @@ class FlashBwd:
             mK,
             mV,
             mdO,
-            mLSE,
+            mStats,
             mDpsum,
             mdQacc,
             mdK,
@@ -303,7 +304,7 @@ class FlashBwd:
         mK: cute.Tensor,
         mV: cute.Tensor,
         mdO: cute.Tensor,
-        mLSE: cute.Tensor,
+        mStats: cute.Tensor,
         mDpsum: cute.Tensor,
         mdQacc: cute.Tensor,
         mdK: cute.Tensor,
@@ -460,7 +461,7 @@ class FlashBwd:
             window_left=window_left,
             window_right=window_right,
         )
-        scores = SimpleNamespace(
+        score_args = SimpleNamespace(
             scale_log2=scale_log2,
             bias_scale=bias_scale,
             softcap_scale=softcap_scale,
@@ -481,9 +482,9 @@ class FlashBwd:
         thr_qkv = copy_qkv.get_slice(tidx)
 
         ctx = SimpleNamespace(
-            mQ=mQ, mK=mK, mV=mV, mdO=mdO, mLSE=mLSE, mDpsum=mDpsum, mdQacc=mdQacc, mdK=mdK,
+            mQ=mQ, mK=mK, mV=mV, mdO=mdO, mStats=mStats, mDpsum=mDpsum, mdQacc=mdQacc, mdK=mdK,
             mdV=mdV, mMask=mMask, mBias=mBias, mdBias=mdBias, mSem=mSem, sK=sK, sV=sV, sQ=sQ,
-            sdO=sdO, sops=sops, mm=mm, limits=limits, scores=scores, acc_dK=acc_dK,
+            sdO=sdO, sops=sops, mm=mm, limits=limits, scores=score_args, acc_dK=acc_dK,
             acc_dV=acc_dV, tScS=tScS, acc_shape_s=acc_shape_s, colsum=colsum, state=state,
             s_words=s_words, s_bits=s_bits, s_colsum=s_colsum, copy_qkv=copy_qkv, thr_qkv=thr_qkv,
             copy_out=copy_out, r2s=r2s, m_lo=m_lo, m_hi=m_hi, m_min=m_min, m_max=m_max,
@@ -541,7 +542,7 @@ class FlashBwd:
             out = SimpleNamespace(
                 b=b,
                 h=h,
-                mLSE=ctx.mLSE,
+                mStats=ctx.mStats,
                 mDpsum=ctx.mDpsum,
                 mdQacc=ctx.mdQacc,
                 mdBias=ctx.mdBias,
@@ -768,7 +769,7 @@ class FlashBwd:
 
     @cute.jit
     def compute_step(
-        self, sops, mm, limits, scores, out, acc_dK, acc_dV, tScS, acc_shape_s, m_block, stage,
+        self, sops, mm, limits, scores_in, out, acc_dK, acc_dV, tScS, acc_shape_s, m_block, stage,
         mask_full,
     ):  # fmt: skip
         """One (head, query block) step on the tiles in smem stage `stage`: S, P, dP, dS,
@@ -779,25 +780,31 @@ class FlashBwd:
         coord = tScS[None, None, None, m_block]
         coord_mn = acc_mn_view(coord)
 
-        # lse (as log2, +inf for rows past Sq or fully masked: P = 0 there) and dpsum per row
+        # The forward's row max (accumulator units) and log2 row sum (+inf for rows past Sq
+        # and fully masked rows: P = 0 there), and dpsum, per row. Without a bias, max and sum
+        # fold into one log2 shift; with one, the max is subtracted before scaling, as in the
+        # forward (a finfo.min bias row keeps its 1/n weights, see kernels/softmax.py).
         rows = cute.size(coord_mn.shape[0])
-        lse = cute.make_rmem_tensor(rows, cutlass.Float32)
+        row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
+        log2sum = cute.make_rmem_tensor(rows, cutlass.Float32)
         dpsum = cute.make_rmem_tensor(rows, cutlass.Float32)
         for r in cutlass.range_constexpr(rows):
             row = coord_mn[r, 0][0]
-            lse[r] = cutlass.Float32.inf
+            row_max[r] = 0.0
+            log2sum[r] = cutlass.Float32.inf
             dpsum[r] = 0.0
             if row < limits.seqlen_q:
-                value = out.mLSE[b, h, row]
-                if value != -cutlass.Float32.inf:
-                    lse[r] = value * LOG2E
+                row_max[r] = out.mStats[b, h, 0, row]
+                log2sum[r] = out.mStats[b, h, 1, row]
                 dpsum[r] = out.mDpsum[b, h, row]
+            if cutlass.const_expr(spec.bias is None):
+                log2sum[r] = row_max[r] * scores_in.scale_log2 + log2sum[r]
 
         # ---- S = bias + Q K^T (bias-first: S starts as bias / scale) ----
         acc_S = cute.make_rmem_tensor(acc_shape_s, cutlass.Float32)
         if cutlass.const_expr(spec.bias is not None and not spec.has_softcap):
             tSsB = sops["bias"].tSsX[None, None, None, stage]
-            acc_S.store(tSsB.load().to(cutlass.Float32) * scores.bias_scale)
+            acc_S.store(scores.bias_scores(tSsB.load(), scores_in.bias_scale))
         else:
             acc_S.fill(0.0)
         _gemm(
@@ -806,13 +813,13 @@ class FlashBwd:
         )  # fmt: skip
         dtanh = None
         if cutlass.const_expr(spec.has_softcap):
-            capped = cute.math.tanh(acc_S.load() * scores.softcap_scale, fastmath=True)
+            capped = cute.math.tanh(acc_S.load() * scores_in.softcap_scale, fastmath=True)
             dtanh = cute.make_rmem_tensor(acc_shape_s, cutlass.Float32)
             dtanh.store(1.0 - capped * capped)
-            capped = capped * scores.softcap
+            capped = capped * scores_in.softcap
             if cutlass.const_expr(spec.bias is not None):
                 tSsB = sops["bias"].tSsX[None, None, None, stage]
-                capped = capped + tSsB.load().to(cutlass.Float32)
+                capped = capped + scores.bias_scores(tSsB.load(), 1.0)
             acc_S.store(capped)
         if cutlass.const_expr(spec.mask is not None):
             if mask_full == 0:
@@ -839,9 +846,12 @@ class FlashBwd:
             )
         acc_mn = acc_mn_view(acc_S)
         for r in cutlass.range_constexpr(rows):
-            acc_mn[r, None].store(
-                cute.math.exp2(acc_mn[r, None].load() * scores.scale_log2 - lse[r], fastmath=True)
-            )
+            s_row = acc_mn[r, None].load()
+            if cutlass.const_expr(spec.bias is None):
+                exponent = s_row * scores_in.scale_log2 - log2sum[r]
+            else:
+                exponent = (s_row - row_max[r]) * scores_in.scale_log2 - log2sum[r]
+            acc_mn[r, None].store(cute.math.exp2(exponent, fastmath=True))
 
         # ---- dP = dO V^T, dS = P (dP - dpsum) ----
         acc_dP = cute.make_rmem_tensor(acc_shape_s, cutlass.Float32)
@@ -913,8 +923,8 @@ class FlashBwd:
                         inside = c_mn[0, c][1] < head_dim
                     if inside:
                         ptr = g_mn.iterator + cute.crd2idx((r, c), g_mn.layout)
-                        lo = dQ_mn[r, c] * scores.softmax_scale
-                        hi = dQ_mn[r, c + 1] * scores.softmax_scale
+                        lo = dQ_mn[r, c] * scores_in.softmax_scale
+                        hi = dQ_mn[r, c + 1] * scores_in.softmax_scale
                         if cutlass.const_expr(spec.vector_atomics):
                             red_add_f32x2(ptr, lo, hi)
                         else:

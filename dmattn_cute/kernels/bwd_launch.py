@@ -93,7 +93,8 @@ def example_args(spec: BwdSpec) -> list:
     q, k, v, dout, dk, dv = (
         fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8) for _ in range(6)
     )
-    lse, dpsum = (fake_tensor("fp32", ("d", "d", "1"), 4) for _ in range(2))
+    stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
+    dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
     dq_acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
     mask = bias = dbias = sem = None
     if spec.mask is not None:
@@ -108,7 +109,7 @@ def example_args(spec: BwdSpec) -> list:
     if spec.deterministic:
         sem = fake_tensor("i32", ("d", "d", "1"), 4)
     scalars = [1.0, 1.0, 0.0, 0.0, 1.0, 0, 0, 1, 1, 1]
-    return [q, k, v, dout, lse, dpsum, dq_acc, dk, dv, mask, bias, dbias, sem, *scalars,
+    return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask, bias, dbias, sem, *scalars,
             env_stream()]  # fmt: skip
 
 
@@ -160,13 +161,13 @@ def flash_bwd(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     out: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
 
-    mask/bias are the normalized 4-D views of `problem.make_problem`; dbias has bias's shape
-    and dtype.
+    mask/bias are the normalized 4-D views of `problem.make_problem`; stats is the forward's
+    [B, H, 2, Sq] row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype.
     """
     q, k, v, out, dout = (_qkv_view(t) for t in (q, k, v, out, dout))
     mask_k = None if mask is None else _operand_view(mask)
@@ -187,7 +188,7 @@ def flash_bwd(
             problem.batch, problem.num_heads, num_m, dtype=torch.int32, device=q.device
         )
     kernel = compiled(spec, arch)
-    args = [q, k, v, dout, lse, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
+    args = [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
             *_bwd_scalars(problem, mask_k, bias_k)]  # fmt: skip
     kernel(*args)
     if kind == "sum":

@@ -23,7 +23,7 @@ from cutlass import cute
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
-from . import masking, tiles
+from . import masking, scores, tiles
 from .config import (
     FwdTile,
     SmemOperand,
@@ -131,6 +131,7 @@ class FlashFwd:
         mV: cute.Tensor,  # [B, Sk, Hkv, D]
         mO: cute.Tensor,  # [B, Sq, H, D]
         mLSE: cute.Tensor,  # [B, H, Sq] fp32
+        mStats: cute.Tensor,  # [B, H, 2, Sq] fp32: row max (accumulator units), log2 row sum
         mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         scale_log2: cutlass.Float32,
@@ -162,6 +163,7 @@ class FlashFwd:
             mV,
             mO,
             mLSE,
+            mStats,
             mMask,
             mBias,
             scale_log2,
@@ -212,6 +214,7 @@ class FlashFwd:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mStats: cute.Tensor,
         mMask: cute.Tensor | None,
         mBias: cute.Tensor | None,
         scale_log2: cutlass.Float32,
@@ -362,10 +365,12 @@ class FlashFwd:
             window_left=window_left,
             window_right=window_right,
         )
-        scores = SimpleNamespace(
+        score_args = SimpleNamespace(
             bias_scale=bias_scale, softcap_scale=softcap_scale, softcap=softcap
         )
-        softmax = OnlineSoftmax(cute.size(acc_mn_view(acc_O).shape[0]), scale_log2)
+        softmax = OnlineSoftmax(
+            cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None
+        )
 
         # With a mask, key blocks are visited through a bitmap of the blocks whose mask tile has a
         # True byte, scanned SCAN_BLOCKS at a time (gmem -> rmem, before any K/V/bias load):
@@ -408,10 +413,10 @@ class FlashFwd:
         state[1] = 0
         state[2] = 0
 
-        # ---- prologue: Q (gmem -> smem) ----
-        tiles.copy_tile(copy_qkv, tQgQ, tQsQ, tQcQ, seqlen_q, head_dim, True, not spec.even_d)
-        if cutlass.const_expr(spec.mask is None):
-            if n_block_min < n_block_max:
+        # ---- prologue: Q (gmem -> smem), unless no key block is visible ----
+        if n_block_min < n_block_max:
+            tiles.copy_tile(copy_qkv, tQgQ, tQsQ, tQcQ, seqlen_q, head_dim, True, not spec.even_d)
+            if cutlass.const_expr(spec.mask is None):
                 self.load_block(ld, n_block_min, 0, 0)
         cute.arch.cp_async_commit_group()
 
@@ -449,7 +454,9 @@ class FlashFwd:
                     cute.arch.cp_async_commit_group()
                     state[1] = 1 - stage
                 full = (state[2] >> j) & 1
-                self.compute_block(ops, mm, limits, scores, softmax, acc_O, n_block, stage, full)
+                self.compute_block(
+                    ops, mm, limits, score_args, softmax, acc_O, n_block, stage, full
+                )
                 if cutlass.const_expr(self.kv_stages == 1):
                     cute.arch.sync_threads()  # the single stage is no longer read
                     if has_next:
@@ -458,18 +465,25 @@ class FlashFwd:
 
         # ---- epilogue: normalize, LSE (rmem -> gmem), O (rmem -> smem -> gmem) ----
         lse = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
-        softmax.finalize(acc_O, lse)
+        log2sum = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
+        softmax.finalize(acc_O, lse, log2sum)
         coord_mn = acc_mn_view(tScS[None, None, None, 0])
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = coord_mn[r, 0][0]
                 if row < seqlen_q:
                     mLSE[b, h, row] = lse[r]
+                    row_max = softmax.row_max[r]
+                    mStats[b, h, 0, row] = 0.0 if row_max == -cutlass.Float32.inf else row_max
+                    mStats[b, h, 1, row] = log2sum[r]
 
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         sO = cute.make_tensor(sQ.iterator, sQ_layout)
-        cute.arch.sync_threads()  # every warp is done reading sQ/sV before sO overwrites sQ
+        # No cp.async may still write sQ (a Q load with no key block consumed it, or a
+        # prefetch past the last visible block), and every warp is done reading sQ/sV.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
         r2s_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
         )
@@ -528,7 +542,7 @@ class FlashFwd:
             self.load_operand(ld, "bias", n_block, stage)
 
     @cute.jit
-    def compute_block(self, ops, mm, limits, scores, softmax, acc_O, n_block, stage, mask_full):
+    def compute_block(self, ops, mm, limits, score_args, softmax, acc_O, n_block, stage, mask_full):
         """S = bias + Q K^T, masking, online softmax and O += P V for one key block whose
         K/V/mask/bias tiles are in smem stage `stage` (no mask tile when mask_full != 0)."""
         spec = self.spec
@@ -539,7 +553,7 @@ class FlashFwd:
         # and no separate pass adds it. With softcap the bias is added after the cap instead.
         if cutlass.const_expr(spec.bias is not None and not spec.has_softcap):
             tSsB = ops["bias"].tSsX[None, None, None, stage]
-            acc_S.store(tSsB.load().to(cutlass.Float32) * scores.bias_scale)
+            acc_S.store(scores.bias_scores(tSsB.load(), score_args.bias_scale))
         else:
             acc_S.fill(0.0)
 
@@ -555,11 +569,11 @@ class FlashFwd:
             cute.gemm(mm.tiled_mma, acc_S, mm.tSrQ[None, None, k], mm.tSrK[None, None, k], acc_S)
 
         if cutlass.const_expr(spec.has_softcap):
-            capped = cute.math.tanh(acc_S.load() * scores.softcap_scale, fastmath=True)
-            capped = capped * scores.softcap
+            capped = cute.math.tanh(acc_S.load() * score_args.softcap_scale, fastmath=True)
+            capped = capped * score_args.softcap
             if cutlass.const_expr(spec.bias is not None):
                 tSsB = ops["bias"].tSsX[None, None, None, stage]
-                capped = capped + tSsB.load().to(cutlass.Float32)
+                capped = capped + scores.bias_scores(tSsB.load(), 1.0)
             acc_S.store(capped)
         if cutlass.const_expr(spec.mask is not None):
             if mask_full == 0:

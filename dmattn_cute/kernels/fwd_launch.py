@@ -114,8 +114,8 @@ def _scalars(problem: Problem, mask, bias) -> list:
     ]
 
 
-def _args(q, k, v, out, lse, mask, bias, scalars) -> list:
-    return [q, k, v, out, lse, mask, bias, *scalars]
+def _args(q, k, v, out, lse, stats, mask, bias, scalars) -> list:
+    return [q, k, v, out, lse, stats, mask, bias, *scalars]
 
 
 def fake_tensor(dtype: str, strides: tuple[str, ...], align: int, stride_div: int = 1):
@@ -146,6 +146,7 @@ def example_args(spec: FwdSpec) -> list:
         fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8) for _ in range(4)
     )
     lse = fake_tensor("fp32", ("d", "d", "1"), 4)
+    stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
     mask = bias = None
     if spec.mask is not None:
         mask = fake_tensor(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
@@ -153,7 +154,7 @@ def example_args(spec: FwdSpec) -> list:
         elem = DTYPES[spec.bias.dtype].width // 8
         bias = fake_tensor(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
     scalars = [1.0, 1.0, 0.0, 0.0, 0, 0, 1, 1, 1]
-    return [q, k, v, out, lse, mask, bias, *scalars, env_stream()]
+    return [q, k, v, out, lse, stats, mask, bias, *scalars, env_stream()]
 
 
 def flash_fwd(
@@ -165,11 +166,14 @@ def flash_fwd(
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward on CUDA tensors; returns out [B, Sq, H, D] and lse [B, H, Sq] fp32.
+    stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward on CUDA tensors; returns out [B, Sq, H, D], lse [B, H, Sq] fp32 and
+    the backward's softmax stats [B, H, 2, Sq] fp32 (per row: the max score in accumulator
+    units and log2 of the row sum; see kernels/softmax.py).
 
-    mask/bias are the normalized 4-D views of `problem.make_problem`; out/lse may be given
-    (e.g. poisoned by tests) and are written in place.
+    mask/bias are the normalized 4-D views of `problem.make_problem`; out/lse/stats may be
+    given (e.g. poisoned by tests) and are written in place.
     """
     q, k, v = _qkv_view(q), _qkv_view(k), _qkv_view(v)
     mask = None if mask is None else _operand_view(mask)
@@ -181,10 +185,15 @@ def flash_fwd(
         lse = torch.empty(
             problem.batch, problem.num_heads, problem.seqlen_q, dtype=torch.float32, device=q.device
         )
+    if stats is None:
+        stats = torch.empty(
+            problem.batch, problem.num_heads, 2, problem.seqlen_q, dtype=torch.float32,
+            device=q.device,
+        )  # fmt: skip
     spec = fwd_spec(problem, mask, bias, arch)
     kernel = compiled(spec, arch)
-    kernel(*_args(q, k, v, out, lse, mask, bias, _scalars(problem, mask, bias)))
-    return out, lse
+    kernel(*_args(q, k, v, out, lse, stats, mask, bias, _scalars(problem, mask, bias)))
+    return out, lse, stats
 
 
 __all__ = [

@@ -15,13 +15,17 @@ LN2 = math.log(2.0)
 class OnlineSoftmax:
     """Running row max and row sum of this thread's accumulator rows.
 
-    Scores stay in accumulator units; `scale_log2` maps them to log2 units, so each probability
-    is exp2(FMA(s, scale_log2, -max * scale_log2)). A row that has seen no visible key keeps
+    Scores stay in accumulator units; `scale_log2` maps them to log2 units. Without a bias the
+    scores are bounded by |q| |k|, and each probability is exp2(FMA(s, scale_log2, -shift)).
+    With a bias (`huge_scores`) a row may sit near the float32 range (a finfo.min padding
+    bias), where max * scale_log2 rounds by more than 1: the max is subtracted before scaling,
+    so equal scores give exactly exp2(0). A row that has seen no visible key keeps
     max = -inf; its shift is taken as 0 so exp2(-inf) = 0 and nothing becomes NaN.
     """
 
-    def __init__(self, num_rows: int, scale_log2: cutlass.Float32):
+    def __init__(self, num_rows: int, scale_log2: cutlass.Float32, huge_scores: bool):
         self.scale_log2 = scale_log2
+        self.huge_scores = huge_scores
         self.row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         self.row_max.fill(-cutlass.Float32.inf)
@@ -39,9 +43,14 @@ class OnlineSoftmax:
             )
             prev_max = self.row_max[r]
             new_max = cute.arch.fmax(prev_max, block_max)
-            shift = (0.0 if new_max == -cutlass.Float32.inf else new_max) * self.scale_log2
-            probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
-            correction = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
+            base = 0.0 if new_max == -cutlass.Float32.inf else new_max
+            if cutlass.const_expr(self.huge_scores):
+                probs = cute.math.exp2((row - base) * self.scale_log2, fastmath=True)
+                correction = cute.math.exp2((prev_max - base) * self.scale_log2, fastmath=True)
+            else:
+                shift = base * self.scale_log2
+                probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
+                correction = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
             self.row_sum[r] = self.row_sum[r] * correction + probs.reduce(
                 cute.ReductionOp.ADD, cutlass.Float32.zero, 0
             )
@@ -50,18 +59,23 @@ class OnlineSoftmax:
             s_mn[r, None] = probs
 
     @cute.jit
-    def finalize(self, acc_o: cute.Tensor, lse: cute.Tensor):
-        """Normalize the output rows; write each row's natural-log LSE into `lse`.
+    def finalize(self, acc_o: cute.Tensor, lse: cute.Tensor, row_log2sum: cute.Tensor):
+        """Normalize the output rows; per row, the natural-log LSE into `lse` and log2 of the
+        row sum into `row_log2sum` (with `row_max`, what the backward needs to rebuild P
+        exactly even where LSE has lost the sum to rounding).
 
-        Rows with no visible key have sum 0: output 0 and LSE -inf. A NaN sum propagates.
+        Rows with no visible key have sum 0: output 0, LSE -inf, row_log2sum +inf (so the
+        backward's exp2(s - max - log2sum) is 0). A NaN sum propagates.
         """
         o_mn = acc_mn_view(acc_o)
+        scale = self.scale_log2 * LN2
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             total = quad_allreduce_sum(self.row_sum[r])
             empty = total == 0.0
             inv = 0.0 if empty else cute.arch.rcp_approx(total)
             o_mn[r, None] = o_mn[r, None].load() * inv
-            row_lse = (
-                self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)
-            ) * LN2
+            log2sum = cute.math.log2(total, fastmath=True)
+            # max * scale first: it stays finite for a clamped finfo.min bias (scale <= 1).
+            row_lse = self.row_max[r] * scale + log2sum * LN2
             lse[r] = -cutlass.Float32.inf if empty else row_lse
+            row_log2sum[r] = cutlass.Float32.inf if empty else log2sum
