@@ -1,5 +1,6 @@
 import os
 import tempfile
+import zlib
 
 import pytest
 import torch
@@ -38,3 +39,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(
                     pytest.mark.skip(reason=f"needs an {arch} GPU (this machine: {here})")
                 )
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request: pytest.FixtureRequest) -> None:
+    """Every test draws its own inputs (a seed from its node id: fresh per test, the same on
+    every run), so a failure reproduces and no test depends on the tests run before it."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
