@@ -174,6 +174,8 @@ def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor, Tensor]) ->
     ctx.save_for_backward(query, key, value, attn_mask, attn_bias, out, stats)
     ctx.params = params
     ctx.mark_non_differentiable(lse, stats)
+    # lse and stats get no gradient: no zero tensors of their size are made for them.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(
