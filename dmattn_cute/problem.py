@@ -105,7 +105,14 @@ def _check_qkv(query: object, key: object, value: object) -> None:
                 f"{name}: expected a 4-D tensor {layout}, got {t.dim()}-D of shape {_shape(t)}"
             )
     if query.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"query: expected dtype torch.float16 or torch.bfloat16, got {query.dtype}")
+        cast = (
+            "; cast with query.to(torch.bfloat16) or .half() (key and value alike)"
+            if query.dtype.is_floating_point
+            else ""
+        )
+        raise TypeError(
+            f"query: expected dtype torch.float16 or torch.bfloat16, got {query.dtype}{cast}"
+        )
     for name in ("key", "value"):
         t = tensors[name]
         if t.dtype != query.dtype:

@@ -67,7 +67,13 @@ BAD_INPUTS = {
     "key_not_tensor": (setting("key", None), TypeError, ["key", "NoneType"]),
     "query_rank_3": (changed("query", lambda t: t[0]), ValueError, ["query", "4-D", "3-D"]),
     "value_rank_5": (changed("value", lambda t: t[None]), ValueError, ["value", "5-D"]),
-    "query_fp32": (with_qkv(dtype=torch.float32), TypeError, ["query", "torch.float32"]),
+    "query_fp32": (
+        with_qkv(dtype=torch.float32),
+        TypeError,
+        ["query", "got torch.float32", "cast with query.to(torch.bfloat16) or .half()"],
+    ),
+    "query_fp64": (with_qkv(dtype=torch.float64), TypeError, ["query", "float64", "cast with"]),
+    "query_int": (with_qkv(dtype=torch.int32), TypeError, ["query", "torch.int32"]),
     "key_dtype_mismatch": (
         changed("key", lambda t: t.half()),
         TypeError,
