@@ -215,8 +215,9 @@ def rowsum_identity_budget(q, k, v, mask, bias, view, dout, out, out_ref, **kwar
 
     A flash backward takes dS = P (dP - D) with D = rowsum(dO * out) from the output it
     returned, rounded to the input dtype; autograd through the reference uses
-    rowsum(P * dP) exactly. The kernel's D is off by dD = rowsum(dO * (out - out_ref)), so
-    |dS error| <= P |dD|, summed into dbias over its broadcast dims and multiplied into
+    rowsum(P * dP) exactly. The kernel's D is off by dD = rowsum(dO * (out - out_ref)), and
+    both dP and D carry float32 summation error, so |dS error| <= P (|dD| + both sums' error
+    bounds), summed into dbias over its broadcast dims and multiplied into
     dq = scale dS K, dk = scale dS^T Q (softcap's derivative is at most 1). Invisible in most
     outputs, it dominates where the exact gradient is 0 (one visible key: dS = 0) and in
     dbias summed over many rows, which the low-precision reference does not model.
@@ -225,12 +226,19 @@ def rowsum_identity_budget(q, k, v, mask, bias, view, dout, out, out_ref, **kwar
     opts = {key: kwargs.get(key, default) for key, default in _REF_DEFAULTS.items()}
     scale = opts["softmax_scale"] or q.shape[-1] ** -0.5
     bias_f32 = None if bias is None else view(bias.detach().to(f32))
-    q4, k4, _, probs, _, _ = _probabilities(
+    q4, k4, v4, probs, _, _ = _probabilities(
         q.detach(), k.detach(), v.detach(), mask, bias_f32, scale, opts["is_causal"],
         opts["softcap"], opts["window_size"], f32, f32,
     )  # fmt: skip
-    d_err = (dout.to(f32) * (out.detach().to(f32) - out_ref.detach().to(f32))).sum(-1).abs()
-    ds_err = probs * d_err.transpose(1, 2).unsqueeze(-1)  # [B, H, Sq, Sk]
+    do = dout.to(f32)
+    out = out.detach().to(f32)
+    d_err = (do * (out - out_ref.detach().to(f32))).sum(-1).abs()  # [B, Sq, H]
+    # dP - D cancels where dS is small: both are float32 sums of D products, each off by at
+    # most D * 2^-24 * (sum of |products|) (the classic bound for a dot product).
+    do4, out4 = do.abs().transpose(1, 2), out.abs().transpose(1, 2)  # [B, H, Sq, D]
+    gamma = q.shape[-1] * 2.0**-24
+    sum_err = gamma * (do4 @ v4.abs().transpose(-1, -2) + (do4 * out4).sum(-1, keepdim=True))
+    ds_err = probs * (d_err.transpose(1, 2).unsqueeze(-1) + sum_err)  # [B, H, Sq, Sk]
     heads, heads_kv = q.shape[2], k.shape[2]
     dk = (ds_err.transpose(-1, -2) @ q4.abs() * scale).transpose(1, 2)  # [B, Sk, H, D]
     dk = dk.unflatten(2, (heads_kv, heads // heads_kv)).sum(3)
