@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -163,22 +164,37 @@ def _compile_one(spec: object, arch: str) -> tuple[int, int]:
     return cache.compile_count() - compiles, cache.load_count() - loads
 
 
-class _Progress:
-    def __init__(self, total: int, stream=sys.stderr) -> None:
-        self.total, self.done, self.stream = total, 0, stream
-        self.tty = stream.isatty()
+def default_jobs() -> int:
+    """Processes to compile in: the CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class Progress:
+    """Progress of `total` steps on `stream`: on a terminal one line redrawn in place (carriage
+    return, cut to the terminal's width so it never wraps), otherwise one plain line per step."""
+
+    WIDTH = 30  # characters of the bar
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.total, self.done = total, 0
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty()
 
     def step(self, label: str) -> None:
         self.done += 1
-        width = 30
-        filled = width * self.done // self.total
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
-        if self.tty:
-            self.stream.write(f"\r\033[K{line}")
+        count = f"{self.done:>{len(str(self.total))}}/{self.total}"
+        if not self.tty:
+            self.stream.write(f"{count} {label}\n")
+        else:
+            filled = self.WIDTH * self.done // self.total
+            line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {count} {label}"
+            columns = shutil.get_terminal_size().columns
+            # \r back to the line's start, the new text, \033[K clears what the last one left.
+            self.stream.write(f"\r{line[: columns - 1]}\033[K")
             if self.done == self.total:
                 self.stream.write("\n")
-        else:
-            self.stream.write(line + "\n")
         self.stream.flush()
 
 
@@ -198,8 +214,9 @@ def compile_variants(
     precompile's."""
     if cache.cache_dir() is None:
         raise ValueError(f"the disk cache is off (${cache.CACHE_ENV}); nothing to fill")
-    bar = _Progress(len(todo)) if progress else None
+    bar = Progress(len(todo)) if progress else None
     compiled = cached = 0
+    jobs = min(jobs, len(todo))
     if jobs <= 1:
         results = (_compile_one(spec, arch) for _, spec in todo)
         executor = None
@@ -240,9 +257,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--deterministic", action="store_true", help="also deterministic backward variants"
     )
-    parser.add_argument("--jobs", type=int, default=1, help="compile in N processes")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        metavar="N",
+        help="compile in N processes (default: the CPU count, here %(default)s)",
+    )
     parser.add_argument("--list", action="store_true", help="list the variants, compile none")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected N >= 1, got {args.jobs}")
     for head_dim in args.head_dims:
         if not (0 < head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_MULTIPLE == 0):
             parser.error(
@@ -264,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
 
     patterns = patterns_of(args)
     if args.list:
-        for label, spec in variants(args.arch, patterns):
+        listed = variants(args.arch, patterns)
+        for label, spec in listed:
             print(f"{label}: {spec}")
+        print(f"{len(listed)} kernel variants for {args.arch}")
         return 0
     start = time.perf_counter()
     counts = precompile(args.arch, patterns, args.jobs)

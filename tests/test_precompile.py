@@ -1,5 +1,6 @@
 """The precompile CLI and the Docker image's build step (CPU: offline compiles only)."""
 
+import io
 import os
 import re
 import shlex
@@ -91,12 +92,58 @@ def test_list_and_bad_arguments(tmp_path: Path, capsys) -> None:
     assert (
         precompile.main(["--arch", "sm_86", "--head-dims", "96", "--dtypes", "fp16", "--list"]) == 0
     )
-    lines = capsys.readouterr().out.strip().splitlines()
+    *lines, count = capsys.readouterr().out.strip().splitlines()
     assert lines and all(" fp16 d96 " in line for line in lines)
+    assert count == f"{len(lines)} kernel variants for sm_86"
     with pytest.raises(SystemExit):
         precompile.main(["--arch", "sm_75"])
     with pytest.raises(SystemExit):
         precompile.main(["--arch", "sm_89", "--head-dims", "12"])
+    with pytest.raises(SystemExit):
+        precompile.main(["--arch", "sm_89", "--jobs", "0"])
+
+
+def test_jobs_default_to_the_cpu_count() -> None:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert precompile.parse_args(["--arch", "sm_89"]).jobs == cpus
+    assert precompile.parse_args(["--arch", "sm_89", "--jobs", "3"]).jobs == 3
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+LABELS = ["fwd bf16 d64 dense H8/8", "bwd bf16 d128 full-mask+full-bias H8/2 causal", "bwd_pre"]
+
+
+def test_progress_redraws_one_line_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "60")  # narrower than the longest line: cut, never wrapped
+    stream = _Terminal()
+    bar = precompile.Progress(len(LABELS), stream)
+    for label in LABELS:
+        bar.step(label)
+    text = stream.getvalue()
+    assert text.endswith("\n") and text.count("\n") == 1  # one line, ended once at the end
+    draws = text.removesuffix("\n").split("\r")
+    assert draws[0] == "" and len(draws) == 1 + len(LABELS)
+    for done, (draw, label) in enumerate(zip(draws[1:], LABELS, strict=True), start=1):
+        assert draw.endswith("\033[K")  # clears what a longer previous draw left
+        line = draw.removesuffix("\033[K")
+        assert len(line) <= 59 and f" {done}/{len(LABELS)} " in line
+        assert (label in line) == (len(line) < 59), line
+    assert draws[-1].startswith("[" + "#" * precompile.Progress.WIDTH + "]")
+
+
+def test_progress_prints_plain_lines_elsewhere() -> None:
+    stream = io.StringIO()
+    bar = precompile.Progress(len(LABELS), stream)
+    for label in LABELS:
+        bar.step(label)
+    assert stream.getvalue().splitlines() == [
+        f"{done}/{len(LABELS)} {label}" for done, label in enumerate(LABELS, start=1)
+    ]
+    assert "\r" not in stream.getvalue() and "\033" not in stream.getvalue()
 
 
 def test_precompile_refuses_a_disabled_cache(monkeypatch: pytest.MonkeyPatch) -> None:
