@@ -209,3 +209,89 @@ def test_finfo_min_bias(dtype, bias_dtype, softcap):
 def ulp_f32(x: float) -> float:
     """The float32 spacing at x."""
     return ulp(torch.tensor([x], dtype=torch.float64), torch.float32).item()
+
+
+# ---- operand layouts ----------------------------------------------------------------------
+
+
+def test_odd_keys_from_an_aligned_slice():
+    """Sk = 4095 read from 16-byte aligned rows of a 4096-wide buffer (no copy)."""
+    b, h, sq, sk = 1, 4, 300, 4095
+    q, k, v, _, _ = random_inputs(b, sq, sk, h, 2, 128, torch.bfloat16, "cuda")
+    mask = (torch.rand(b, 2, sq, 4096, device="cuda") < 0.7)[..., :sk]
+    bias_buffer = torch.randn(b, h, sq, 4096, device="cuda", dtype=torch.bfloat16)
+    forward_and_check(q, k, v, mask, bias_buffer[..., :sk], causal=True)
+    grads_and_check(q, k, v, mask, bias_buffer, bias_view=lambda t: t[..., :sk], is_causal=True)
+
+
+def test_expanded_mask_and_bias():
+    b, h, hkv, sq, sk = 2, 4, 2, 300, 500
+    q, k, v, _, _ = random_inputs(b, sq, sk, h, hkv, 64, torch.float16, "cuda")
+    mask = (torch.rand(b, hkv, 1, sk, device="cuda") < 0.6).expand(b, hkv, sq, sk)
+    bias_row = torch.randn(b, h, 1, sk, device="cuda", dtype=torch.float16)
+    forward_and_check(q, k, v, mask, bias_row.expand(b, h, sq, sk))
+    grads_and_check(q, k, v, mask, bias_row, bias_view=lambda t: t.expand(b, h, sq, sk))
+
+
+def test_expanded_bias_gradient_needs_no_attention_sized_buffer():
+    """dbias of bias_row.expand(B, H, S, S) is reduced in the kernel: forward + backward peak
+    memory stays far below one [B, H, S, S] bf16 tensor (256 MiB here)."""
+    b, h, s, d = 1, 8, 4096, 64
+    q, k, v, _, _ = random_inputs(b, s, s, h, h, d, torch.bfloat16, "cuda", requires_grad=True)
+    bias_row = torch.randn(b, h, 1, s, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = flash_dmattn_func(q, k, v, None, bias_row.expand(b, h, s, s), is_causal=True)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    attention_bytes = b * h * s * s * 2
+    print(f"\npeak {peak / 2**20:.1f} MiB, attention-sized bf16 {attention_bytes / 2**20:.0f} MiB")
+    assert peak < attention_bytes / 4
+    assert bias_row.grad.shape == bias_row.shape and bool(bias_row.grad.abs().sum() > 0)
+
+
+# ---- softcap combinations, deterministic over several scan windows -----------------------
+
+
+@pytest.mark.parametrize(
+    "dtype,window",
+    [(torch.float16, (-1, -1)), (torch.bfloat16, (100, 30)), (torch.float16, (0, 64))],
+)
+def test_softcap_fp16_and_window(dtype, window):
+    q, k, v, mask, bias = random_inputs(
+        2, 333, 257, 4, 2, 96, dtype, "cuda", mask_shape=(2, 2, 333, 257),
+        bias_shape=(1, 4, 333, 257), mask_density=0.7,
+    )  # fmt: skip
+    q, k = q * 3, k * 3  # scores well into the cap
+    forward_and_check(q, k, v, mask, bias, softcap=10.0, window=window)
+    grads_and_check(q, k, v, mask, bias, softcap=10.0, window_size=window)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 2100, 300), (1, 1, 1, 300)])
+def test_deterministic_longer_than_a_scan_window(bias_shape):
+    """Sq = 2100 > 31 blocks x 64 rows: the backward's mask scan spans several windows."""
+    sq, sk = 2100, 300
+    q, k, v, mask, bias = random_inputs(
+        1, sq, sk, 4, 2, 64, torch.bfloat16, "cuda", mask_shape=(1, 2, sq, sk),
+        bias_shape=bias_shape, mask_density=0.6,
+    )  # fmt: skip
+    mask[:, :, 500:1300] = False  # whole scan-window stretches skipped
+    first, _ = grads_and_check(q, k, v, mask, bias, deterministic=True)
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(3):
+        q1, k1, v1 = leaves((q, k, v))
+        b1 = bias.detach().clone().requires_grad_()
+        flash_dmattn_func(q1, k1, v1, mask, b1, deterministic=True).backward(dout)
+        runs.append((q1.grad, k1.grad, v1.grad, b1.grad))
+    for run in runs[1:]:
+        for name, a, g in zip(("dq", "dk", "dv", "dbias"), runs[0], run, strict=True):
+            assert torch.equal(a, g), f"{name} differs between deterministic runs"
+    assert first[0].shape == q.shape
+
+
+def test_garbage_poison_is_finite_and_far_from_outputs():
+    t = garbage_like(torch.empty(1000, device="cuda", dtype=torch.bfloat16))
+    assert bool(t.isfinite().all()) and bool((t.abs() >= 99).all())
