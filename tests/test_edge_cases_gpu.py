@@ -20,7 +20,9 @@ from tests.utils import (
     broadcast_shapes,
     check_close,
     forward_and_check,
+    garbage_like,
     grads_and_check,
+    leaves,
     random_inputs,
     ulp,
 )
