@@ -118,6 +118,10 @@ def test_compiled_module_has_no_graph_break_and_matches_eager(device) -> None:
     compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break raises
     out = compiled(x)
     grads = torch.autograd.grad(out.float().square().mean(), list(model.parameters()))
+    # Same ops, same kernels: on CPU the two agree bitwise. Inductor may evaluate the bias's
+    # bf16 elementwise chain (softplus, exp, mul) in float32 without eager's roundings, a few
+    # bf16 ulps (2^-8 relative each) carried to out and the gradients: ~5 ulps allowed for out,
+    # ~12 for the gradients, which add a backward's matmuls on top.
     torch.testing.assert_close(out, eager_out, atol=2e-2, rtol=2e-2)
     for grad, eager in zip(grads, eager_grads, strict=True):
         torch.testing.assert_close(grad, eager, atol=2e-2, rtol=5e-2)
@@ -163,5 +167,7 @@ def test_kernels_run_on_the_current_stream() -> None:
     ref_q = q_new.detach().float().requires_grad_()
     ref = attention_ref(ref_q, k.float(), v.float(), mask, bias.float(), is_causal=True)[0]
     (ref_dq,) = torch.autograd.grad(ref, ref_q, dout.float())
+    # Loose on purpose: a launch on another stream reads q = 0, an O(1) error; bf16 kernels
+    # stay within SPEC's 2e-2 relative of the float32 reference (dq: a backward's matmuls more).
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(dq.float(), ref_dq, atol=5e-2, rtol=5e-2)
