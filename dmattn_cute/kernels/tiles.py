@@ -61,6 +61,12 @@ def operand_smem_layout(rows: int, tile_n: int, pitch: int, stages: int) -> cute
     return cute.make_layout((rows, tile_n, stages), stride=(pitch, 1, rows * pitch))
 
 
+# A thread's share of this many vectors or more is walked by a loop the compiler unrolls, not
+# traced once per vector: element-wide mask/bias rows give a thread 64 vectors, traced one by
+# one they doubled the kernel's compile time (and the DSL warns about such static loops).
+COMPILER_UNROLLED_VECTORS = 64
+
+
 @cute.jit
 def copy_tile(
     tiled_copy: cute.TiledCopy,
@@ -74,21 +80,48 @@ def copy_tile(
 ):
     """gmem -> smem copy of one thread's (V, R, C) share of a tile, zero-filling vectors whose
     first element lies at or past (row_end, col_end) when that bound is checked."""
+    rows, cols = cute.size(dst.shape[1]), cute.size(dst.shape[2])
     if cutlass.const_expr(not check_rows and not check_cols):
         cute.copy(tiled_copy, src, dst)
+    elif cutlass.const_expr(rows * cols < COMPILER_UNROLLED_VECTORS):
+        for m in cutlass.range_constexpr(rows):
+            for k in cutlass.range_constexpr(cols):
+                _copy_vector(
+                    tiled_copy, src, dst, coord, m, k, row_end, col_end, check_rows, check_cols
+                )
     else:
-        for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
-            for k in cutlass.range_constexpr(cute.size(dst.shape[2])):
-                row, col = coord[0, m, k]
-                inside = cutlass.Boolean(True)
-                if cutlass.const_expr(check_rows):
-                    inside = inside & (row < row_end)
-                if cutlass.const_expr(check_cols):
-                    inside = inside & (col < col_end)
-                if inside:
-                    cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
-                else:
-                    dst[None, m, k].fill(0)
+        for m in cutlass.range(rows, unroll_full=True):
+            for k in cutlass.range(cols, unroll_full=True):
+                _copy_vector(
+                    tiled_copy, src, dst, coord, m, k, row_end, col_end, check_rows, check_cols
+                )
+
+
+@cute.jit
+def _copy_vector(
+    tiled_copy: cute.TiledCopy,
+    src: cute.Tensor,
+    dst: cute.Tensor,
+    coord: cute.Tensor,
+    m,
+    k,
+    row_end: cutlass.Int32,
+    col_end: cutlass.Int32,
+    check_rows: cutlass.Constexpr,
+    check_cols: cutlass.Constexpr,
+):
+    """Vector (m, k) of copy_tile: copied if its first element is inside the checked bounds,
+    else zero-filled."""
+    row, col = coord[0, m, k]
+    inside = cutlass.Boolean(True)
+    if cutlass.const_expr(check_rows):
+        inside = inside & (row < row_end)
+    if cutlass.const_expr(check_cols):
+        inside = inside & (col < col_end)
+    if inside:
+        cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
+    else:
+        dst[None, m, k].fill(0)
 
 
 def staged_swizzled_layout(rows: int, cols: int, stages: int, stage_stride: int):
