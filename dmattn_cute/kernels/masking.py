@@ -8,6 +8,8 @@ finite value so the arithmetic here needs no special case.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 from cutlass import cute
 
@@ -19,53 +21,89 @@ from .utils import acc_mn_view
 SCAN_BLOCKS = 31
 
 
-@cute.jit
-def key_block_range(
-    m_block: cutlass.Int32,
-    seqlen_q: cutlass.Int32,
-    seqlen_k: cutlass.Int32,
-    window_left: cutlass.Int32,
-    window_right: cutlass.Int32,
-    tile_m: cutlass.Constexpr,
-    tile_n: cutlass.Constexpr,
-    has_window: cutlass.Constexpr,
-):
-    """[n_block_min, n_block_max) of the key blocks query block `m_block` can see."""
-    n_block_min = cutlass.Int32(0)
-    n_block_max = cute.ceil_div(seqlen_k, tile_n)
-    if cutlass.const_expr(has_window):
-        diag = seqlen_k - seqlen_q
-        row_first = m_block * tile_m
-        row_last = cutlass.min(row_first + tile_m, seqlen_q) - 1
-        col_hi = cutlass.max(row_last + diag + window_right + 1, 0)
-        n_block_max = cutlass.min(n_block_max, cute.ceil_div(col_hi, tile_n))
-        n_block_min = cutlass.max(row_first + diag - window_left, 0) // tile_n
-    return n_block_min, n_block_max
+class ScanState:
+    """Slots of the Int32 register array a kernel's walk over blocks keeps between steps."""
+
+    VISIBLE = 0  # bit j: block j of the current scan window has a True mask byte (or no mask)
+    STAGE = 1  # the smem stage the next load fills
+    FULL = 2  # bit j: block j's mask tile is all True (no mask tile load, no masking)
+    LOADED = 3  # backward: the query block whose tiles the last load already holds
+    SLOTS = 4
 
 
-@cute.jit
-def query_block_range(
-    n_block: cutlass.Int32,
-    seqlen_q: cutlass.Int32,
-    seqlen_k: cutlass.Int32,
-    window_left: cutlass.Int32,
-    window_right: cutlass.Int32,
-    tile_m: cutlass.Constexpr,
-    tile_n: cutlass.Constexpr,
-    has_window: cutlass.Constexpr,
-):
-    """[m_block_min, m_block_max) of the query blocks that can see a key of block `n_block`
-    (the backward's view of key_block_range)."""
-    m_block_min = cutlass.Int32(0)
-    m_block_max = cute.ceil_div(seqlen_q, tile_m)
-    if cutlass.const_expr(has_window):
-        diag = seqlen_k - seqlen_q
-        # row i sees key j when i + diag - left <= j <= i + diag + right
-        row_lo = n_block * tile_n - diag - window_right
-        row_hi = (n_block + 1) * tile_n - 1 - diag + window_left
-        m_block_min = cutlass.max(row_lo, 0) // tile_m
-        m_block_max = cutlass.min(m_block_max, cute.ceil_div(cutlass.max(row_hi + 1, 0), tile_m))
-    return m_block_min, m_block_max
+@dataclass(frozen=True)
+class BlockLimits:
+    """The causal/window and length limits of one launch, per block and per element.
+
+    Sequence lengths and window sides are run-time values, tile sizes and whether a window
+    exists compile-time ones (the model is FlashAttention 4's block_info.py; frozen, so the
+    DSL passes it into run-time loops as it is).
+    """
+
+    seqlen_q: cutlass.Int32
+    seqlen_k: cutlass.Int32
+    window_left: cutlass.Int32
+    window_right: cutlass.Int32
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    has_window: cutlass.Constexpr[bool]
+
+    @cute.jit
+    def key_block_range(self, m_block: cutlass.Int32):
+        """[n_block_min, n_block_max) of the key blocks query block `m_block` can see."""
+        n_block_min = cutlass.Int32(0)
+        n_block_max = cute.ceil_div(self.seqlen_k, self.tile_n)
+        if cutlass.const_expr(self.has_window):
+            diag = self.seqlen_k - self.seqlen_q
+            row_first = m_block * self.tile_m
+            row_last = cutlass.min(row_first + self.tile_m, self.seqlen_q) - 1
+            col_hi = cutlass.max(row_last + diag + self.window_right + 1, 0)
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(col_hi, self.tile_n))
+            n_block_min = cutlass.max(row_first + diag - self.window_left, 0) // self.tile_n
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def query_block_range(self, n_block: cutlass.Int32):
+        """[m_block_min, m_block_max) of the query blocks that can see a key of block
+        `n_block` (the backward's view of key_block_range)."""
+        m_block_min = cutlass.Int32(0)
+        m_block_max = cute.ceil_div(self.seqlen_q, self.tile_m)
+        if cutlass.const_expr(self.has_window):
+            diag = self.seqlen_k - self.seqlen_q
+            # row i sees key j when i + diag - left <= j <= i + diag + right
+            row_lo = n_block * self.tile_n - diag - self.window_right
+            row_hi = (n_block + 1) * self.tile_n - 1 - diag + self.window_left
+            m_block_min = cutlass.max(row_lo, 0) // self.tile_m
+            m_block_max = cutlass.min(
+                m_block_max, cute.ceil_div(cutlass.max(row_hi + 1, 0), self.tile_m)
+            )
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def apply(self, acc_s: cute.Tensor, t_coord: cute.Tensor, m_block, n_block):
+        """Scores of block (m_block, n_block) past Sk or outside the window become -inf
+        (t_coord: (row, col) of each element of acc_s); blocks wholly inside are left alone."""
+        needs = (n_block + 1) * self.tile_n > self.seqlen_k
+        if cutlass.const_expr(self.has_window):
+            diag = self.seqlen_k - self.seqlen_q
+            row_first = m_block * self.tile_m
+            row_last = row_first + self.tile_m - 1
+            needs = needs | ((n_block + 1) * self.tile_n - 1 > row_first + diag + self.window_right)
+            needs = needs | (n_block * self.tile_n < row_last + diag - self.window_left)
+        if needs:
+            acc_mn = acc_mn_view(acc_s)
+            coord_mn = acc_mn_view(t_coord)
+            for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                col_end = self.seqlen_k
+                col_begin = cutlass.Int32(0)
+                if cutlass.const_expr(self.has_window):
+                    diag_col = coord_mn[r, 0][0] + self.seqlen_k - self.seqlen_q
+                    col_end = cutlass.min(col_end, diag_col + self.window_right + 1)
+                    col_begin = diag_col - self.window_left
+                for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                    col = coord_mn[0, c][1]
+                    if col >= col_end or col < col_begin:
+                        acc_mn[r, c] = -cutlass.Float32.inf
 
 
 @cute.jit
@@ -77,63 +115,6 @@ def range_bits(first: cutlass.Int32, lo: cutlass.Int32, hi: cutlass.Int32) -> cu
     if end > begin:
         bits = ((cutlass.Int32(1) << end) - 1) & ~((cutlass.Int32(1) << begin) - 1)
     return bits
-
-
-@cute.jit
-def block_needs_limits(
-    n_block: cutlass.Int32,
-    m_block: cutlass.Int32,
-    seqlen_q: cutlass.Int32,
-    seqlen_k: cutlass.Int32,
-    window_left: cutlass.Int32,
-    window_right: cutlass.Int32,
-    tile_m: cutlass.Constexpr,
-    tile_n: cutlass.Constexpr,
-    has_window: cutlass.Constexpr,
-) -> cutlass.Boolean:
-    """Whether some element of block (m_block, n_block) lies past Sk or outside the window."""
-    needs = (n_block + 1) * tile_n > seqlen_k
-    if cutlass.const_expr(has_window):
-        diag = seqlen_k - seqlen_q
-        row_first = m_block * tile_m
-        row_last = row_first + tile_m - 1
-        needs = needs | ((n_block + 1) * tile_n - 1 > row_first + diag + window_right)
-        needs = needs | (n_block * tile_n < row_last + diag - window_left)
-    return needs
-
-
-@cute.jit
-def apply_limits(
-    acc_s: cute.Tensor,
-    t_coord: cute.Tensor,
-    seqlen_q: cutlass.Int32,
-    seqlen_k: cutlass.Int32,
-    window_left: cutlass.Int32,
-    window_right: cutlass.Int32,
-    has_window: cutlass.Constexpr,
-):
-    """Set scores past Sk or outside the window to -inf (t_coord: (row, col) of acc_s)."""
-    acc_mn = acc_mn_view(acc_s)
-    coord_mn = acc_mn_view(t_coord)
-    for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-        col_end = seqlen_k
-        col_begin = cutlass.Int32(0)
-        if cutlass.const_expr(has_window):
-            row = coord_mn[r, 0][0]
-            diag_col = row + seqlen_k - seqlen_q
-            col_end = cutlass.min(col_end, diag_col + window_right + 1)
-            col_begin = diag_col - window_left
-        for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-            col = coord_mn[0, c][1]
-            if col >= col_end or col < col_begin:
-                acc_mn[r, c] = -cutlass.Float32.inf
-
-
-@cute.jit
-def apply_mask(acc_s: cute.Tensor, t_mask: cute.Tensor):
-    """Scores where the boolean mask tile (smem, accumulator layout) is False become -inf."""
-    keep = t_mask.load() != 0
-    acc_s.store(cute.where(keep, acc_s.load(), -cutlass.Float32.inf))
 
 
 @cute.jit
@@ -168,8 +149,7 @@ def scan_mask_blocks(
 
     Each thread reads its share of every tile (gmem -> rmem, the same partition the smem loads
     use); warps combine by shuffles, then the CTA through two shared words per warp.
-    scan: namespace with copy, tXgX, tXcX, frag, row_end, col_end, used, words, same_tile (see
-    FlashFwd.kernel).
+    scan: the partition operands.mask_scan builds.
     """
     visible = cutlass.Int32(0)
     full = cutlass.Int32((1 << SCAN_BLOCKS) - 1)  # threads holding no share do not veto

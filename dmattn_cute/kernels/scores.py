@@ -11,6 +11,8 @@ only such biases compare equal and share the row's weight uniformly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 from cutlass import cute
 
@@ -24,3 +26,53 @@ def bias_scores(bias: cute.TensorSSA, scale: cutlass.Float32) -> cute.TensorSSA:
     y = x * scale
     clamped = cute.where(y > FLT_MAX, FLT_MAX, cute.where(y < -FLT_MAX, -FLT_MAX, y))
     return cute.where(abs(x) == cutlass.Float32.inf, y, clamped)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """S of one block from the bias-first accumulator: bias / scale as its initial value,
+    Q K^T added by the caller's GEMM, then softcap, the bias after the cap, the mask tile.
+
+    has_bias/has_mask/has_softcap are compile-time; the scales are the launch's scalars.
+    """
+
+    has_bias: cutlass.Constexpr[bool]
+    has_mask: cutlass.Constexpr[bool]
+    has_softcap: cutlass.Constexpr[bool]
+    bias_scale: cutlass.Float32
+    softcap_scale: cutlass.Float32
+    softcap: cutlass.Float32
+
+    @cute.jit
+    def start(self, acc_s: cute.Tensor, t_bias: cute.Tensor | None):
+        """acc_s before Q K^T: bias / scale (smem -> rmem, so scale * S = scale * QK^T + bias
+        needs no separate pass), or 0 (no bias, or softcap: the bias follows the cap)."""
+        if cutlass.const_expr(self.has_bias and not self.has_softcap):
+            acc_s.store(bias_scores(t_bias.load(), self.bias_scale))
+        else:
+            acc_s.fill(0.0)
+
+    @cute.jit
+    def finish(
+        self,
+        acc_s: cute.Tensor,
+        t_bias: cute.Tensor | None,
+        t_mask: cute.Tensor | None,
+        mask_full,
+        dtanh: cute.Tensor | None = None,
+    ):
+        """acc_s after Q K^T: softcap (its derivative 1 - tanh^2 into `dtanh` when given) and
+        the bias; then scores where the mask tile is False become -inf, unless the tile is
+        all True (mask_full != 0: it was not loaded)."""
+        if cutlass.const_expr(self.has_softcap):
+            capped = cute.math.tanh(acc_s.load() * self.softcap_scale, fastmath=True)
+            if cutlass.const_expr(dtanh is not None):
+                dtanh.store(1.0 - capped * capped)
+            capped = capped * self.softcap
+            if cutlass.const_expr(self.has_bias):
+                capped = capped + bias_scores(t_bias.load(), 1.0)
+            acc_s.store(capped)
+        if cutlass.const_expr(self.has_mask):
+            if mask_full == 0:
+                keep = t_mask.load() != 0
+                acc_s.store(cute.where(keep, acc_s.load(), -cutlass.Float32.inf))

@@ -56,11 +56,6 @@ def operand_copy(
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec))), used
 
 
-def operand_smem_layout(rows: int, tile_n: int, pitch: int, stages: int) -> cute.Layout:
-    """(rows, tile_n, stages) row-major tiles with a padded row pitch."""
-    return cute.make_layout((rows, tile_n, stages), stride=(pitch, 1, rows * pitch))
-
-
 # A thread's share of this many vectors or more is walked by a loop the compiler unrolls, not
 # traced once per vector: element-wide mask/bias rows give a thread 64 vectors, traced one by
 # one they doubled the kernel's compile time (and the DSL warns about such static loops).
@@ -122,6 +117,31 @@ def _copy_vector(
         cute.copy(tiled_copy, src[None, m, k], dst[None, m, k])
     else:
         dst[None, m, k].fill(0)
+
+
+@cute.jit
+def acc_to_smem(acc: cute.Tensor, dtype, r2s_atom, tiled_mma, tidx, sX: cute.Tensor):
+    """An fp32 MMA accumulator rounded to `dtype` and stored into the smem tile sX
+    (rmem -> smem, each thread its accumulator elements)."""
+    rX = cute.make_rmem_tensor_like(acc, dtype)
+    rX.store(acc.load().to(dtype))
+    thr = cute.make_tiled_copy_C(r2s_atom, tiled_mma).get_slice(tidx)
+    cute.copy(thr, thr.retile(rX), thr.partition_D(sX))
+
+
+@cute.jit
+def store_tile(copy_out, thr_out, sX, gX, cX, row_end, col_end):
+    """One thread's share of an output tile: smem -> rmem in 16-byte rows -> gmem, vectors
+    whose first element lies at or past (row_end, col_end) not stored (cX: coordinates)."""
+    tOgO = thr_out.partition_D(gX)
+    tOcO = thr_out.partition_D(cX)
+    tOrO = cute.make_rmem_tensor_like(tOgO)
+    cute.copy(copy_out, thr_out.partition_S(sX), tOrO)
+    for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+        for k in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
+            row, col = tOcO[0, m, k]
+            if row < row_end and col < col_end:
+                cute.copy(copy_out, tOrO[None, m, k], tOgO[None, m, k])
 
 
 def staged_swizzled_layout(rows: int, cols: int, stages: int, stage_stride: int):
