@@ -1,12 +1,12 @@
-"""The bias as scores: float32 values that stay finite when the bias is finite.
+"""Scores of one block: the bias-first accumulator, softcap, the bias, the mask tile.
 
 The score accumulator of the bias-first kernels holds S / softmax_scale, so a bias enters as
 bias * (1 / scale). A finite bias near the float32 range (e.g. torch.finfo(dtype).min, the
 usual padding value) would overflow to -inf there and turn a padded row into a fully masked
-one. Finite values are clamped to +-FLT_MAX instead; true infinities pass unchanged (a -inf
-bias masks its position, SPEC.md). Adding Q K^T to a clamped value leaves it unchanged, as
-the float32 reference absorbs Q K^T into a bias of that size: the keys of a row that carry
-only such biases compare equal and share the row's weight uniformly.
+one: the product is rounded toward zero, which keeps finite values finite (+-FLT_MAX) and
+infinities infinite (a -inf bias masks its position, SPEC.md). Adding Q K^T to +-FLT_MAX
+leaves it unchanged, as the float32 reference absorbs Q K^T into a bias of that size: the keys
+of a row that carry only such biases compare equal and share the row's weight uniformly.
 """
 
 from __future__ import annotations
@@ -16,16 +16,7 @@ from dataclasses import dataclass
 import cutlass
 from cutlass import cute
 
-FLT_MAX = 3.4028234663852886e38
-
-
-@cute.jit
-def bias_scores(bias: cute.TensorSSA, scale: cutlass.Float32) -> cute.TensorSSA:
-    """bias (any float dtype) * scale in float32, finite wherever the bias is finite."""
-    x = bias.to(cutlass.Float32)
-    y = x * scale
-    clamped = cute.where(y > FLT_MAX, FLT_MAX, cute.where(y < -FLT_MAX, -FLT_MAX, y))
-    return cute.where(abs(x) == cutlass.Float32.inf, y, clamped)
+from .utils import mul_rz
 
 
 @dataclass(frozen=True)
@@ -48,7 +39,9 @@ class Scores:
         """acc_s before Q K^T: bias / scale (smem -> rmem, so scale * S = scale * QK^T + bias
         needs no separate pass), or 0 (no bias, or softcap: the bias follows the cap)."""
         if cutlass.const_expr(self.has_bias and not self.has_softcap):
-            acc_s.store(bias_scores(t_bias.load(), self.bias_scale))
+            acc_s.store(t_bias.load().to(cutlass.Float32))
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = mul_rz(acc_s[i], self.bias_scale)
         else:
             acc_s.fill(0.0)
 
@@ -70,7 +63,8 @@ class Scores:
                 dtanh.store(1.0 - capped * capped)
             capped = capped * self.softcap
             if cutlass.const_expr(self.has_bias):
-                capped = capped + bias_scores(t_bias.load(), 1.0)
+                # |capped| <= softcap: no finite sum overflows
+                capped = capped + t_bias.load().to(cutlass.Float32)
             acc_s.store(capped)
         if cutlass.const_expr(self.has_mask):
             if mask_full == 0:

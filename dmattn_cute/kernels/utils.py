@@ -5,7 +5,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import cute
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -68,4 +68,24 @@ def red_add_f32x2(ptr: cute.Pointer, a: cutlass.Float32, b: cutlass.Float32, *, 
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def mul_rz(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    """a * b rounded toward zero: a finite product that overflows becomes +-FLT_MAX, not
+    +-inf (infinite operands still give infinities)."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [
+                cutlass.Float32(a).ir_value(loc=loc, ip=ip),
+                cutlass.Float32(b).ir_value(loc=loc, ip=ip),
+            ],
+            "mul.rz.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
     )
