@@ -629,9 +629,9 @@ class FlashBwd:
         coord_mn = acc_mn_view(coord)
 
         # The forward's row max (accumulator units) and log2 row sum (+inf for rows past Sq
-        # and fully masked rows: P = 0 there), and dpsum, per row. Without a bias, max and sum
-        # fold into one log2 shift; with one, the max is subtracted before scaling, as in the
-        # forward (a finfo.min bias row keeps its 1/n weights, see kernels/softmax.py).
+        # and fully masked rows: P = 0 there), and dpsum, per row. Without a bias the forward
+        # folded the max into the sum (max 0); with one, the max is subtracted before scaling,
+        # as in the forward (a finfo.min bias row keeps its 1/n weights, kernels/softmax.py).
         rows = cute.size(coord_mn.shape[0])
         row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         log2sum = cute.make_rmem_tensor(rows, cutlass.Float32)
@@ -642,11 +642,10 @@ class FlashBwd:
             log2sum[r] = cutlass.Float32.inf
             dpsum[r] = 0.0
             if row < limits.seqlen_q:
-                row_max[r] = gmem.mStats[b, h, 0, row]
+                if cutlass.const_expr(spec.bias is not None):
+                    row_max[r] = gmem.mStats[b, h, 0, row]
                 log2sum[r] = gmem.mStats[b, h, 1, row]
                 dpsum[r] = gmem.mDpsum[b, h, row]
-            if cutlass.const_expr(spec.bias is None):
-                log2sum[r] = row_max[r] * walk.scale_log2 + log2sum[r]
 
         # ---- S = bias + Q K^T (bias-first), softcap, mask, limits; P ----
         t_bias = t_mask = dtanh = None

@@ -387,8 +387,18 @@ class FlashFwd:
                 if row < seqlen_q:
                     mLSE[b, h, row] = lse[r]
                     row_max = softmax.row_max[r]
-                    mStats[b, h, 0, row] = 0.0 if row_max == -cutlass.Float32.inf else row_max
-                    mStats[b, h, 1, row] = log2sum[r]
+                    if cutlass.const_expr(spec.bias is None):
+                        # Scores are bounded without a bias: max and sum fold into one shift
+                        # (the backward then loads one value per row; +inf: an empty row).
+                        mStats[b, h, 0, row] = 0.0
+                        mStats[b, h, 1, row] = (
+                            log2sum[r]
+                            if row_max == -cutlass.Float32.inf
+                            else row_max * scale_log2 + log2sum[r]
+                        )
+                    else:
+                        mStats[b, h, 0, row] = 0.0 if row_max == -cutlass.Float32.inf else row_max
+                        mStats[b, h, 1, row] = log2sum[r]
 
         sO = cute.make_tensor(sQ.iterator, sQ_layout)
         # No cp.async may still write sQ (a Q load with no key block consumed it, or a

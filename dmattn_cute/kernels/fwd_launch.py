@@ -170,7 +170,8 @@ def flash_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on CUDA tensors; returns out [B, Sq, H, D], lse [B, H, Sq] fp32 and
     the backward's softmax stats [B, H, 2, Sq] fp32 (per row: the max score in accumulator
-    units and log2 of the row sum; see kernels/softmax.py).
+    units and log2 of the row sum; a kernel without a bias folds the max into the sum and
+    stores 0 as the max; see kernels/softmax.py).
 
     mask/bias are the normalized 4-D views of `problem.make_problem`; out/lse/stats may be
     given (e.g. poisoned by tests) and are written in place.
