@@ -12,19 +12,9 @@ import torch
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
 from ..problem import Problem, broadcast_view
-from .bwd import BwdSpec, DbiasSpec
+from .bwd import BwdScalars, BwdSpec, DbiasSpec
 from .bwd_pre import bwd_preprocess
-from .fwd import DTYPES
-from .fwd_launch import (
-    _DTYPE_NAMES,
-    _operand_spec,
-    _operand_view,
-    _qkv_view,
-    _scalars,
-    _stride_kind,
-    env_stream,
-    fake_tensor,
-)
+from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view, stride_kinds
 
 
 def dbias_plan(problem: Problem, bias_shape: torch.Size) -> tuple[str, bool, bool]:
@@ -57,60 +47,29 @@ def bwd_spec(
     fold: tuple[bool, bool],
     arch: str,
 ) -> BwdSpec:
-    """The backward variant for a problem (mask/bias: kernel views from `_operand_view`;
+    """The backward variant for a problem (mask/bias: kernel views from launch.operand_view;
     dbias_buf: the broadcast view the kernel writes, None for no dbias work)."""
     dbias = None
     if dbias_buf is not None:
         dbias = DbiasSpec(
-            _DTYPE_NAMES[dbias_buf.dtype],
-            tuple(_stride_kind(s) for s in dbias_buf.stride()),
+            dtype_name(dbias_buf.dtype),
+            stride_kinds(dbias_buf),
             rows_summed=dbias_buf.shape[2] == 1,
             direct=kind == "direct",
             atomic=not problem.deterministic,
         )
     return BwdSpec.build(
         arch,
-        _DTYPE_NAMES[problem.dtype],
+        dtype_name(problem.dtype),
         problem.head_dim,
-        None if mask is None else _operand_spec(mask, problem.seqlen_k),
-        None if bias is None else _operand_spec(bias, problem.seqlen_k),
+        None if mask is None else operand_spec(mask, problem.seqlen_k),
+        None if bias is None else operand_spec(bias, problem.seqlen_k),
         dbias,
-        problem.is_causal or problem.window_left >= 0 or problem.window_right >= 0,
+        problem.has_window,
         problem.softcap > 0,
         problem.deterministic,
         *fold,
     )
-
-
-def _bwd_scalars(problem: Problem, mask, bias) -> list:
-    scalars = _scalars(problem, mask, bias)
-    # fwd order: scale_log2, bias_scale, softcap_scale, softcap, left, right, divs, group
-    return [*scalars[:4], problem.softmax_scale, *scalars[4:]]
-
-
-def example_args(spec: BwdSpec) -> list:
-    """Arguments for an offline `cute.compile` of `spec` (see fwd_launch.example_args)."""
-    q, k, v, dout, dk, dv = (
-        fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8) for _ in range(6)
-    )
-    stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
-    dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
-    dq_acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
-    mask = bias = dbias = sem = None
-    if spec.mask is not None:
-        mask = fake_tensor(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
-    if spec.bias is not None:
-        elem = DTYPES[spec.bias.dtype].width // 8
-        bias = fake_tensor(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
-    if spec.dbias is not None:
-        dbias = fake_tensor(
-            spec.dbias.dtype, spec.dbias.strides, 4 if spec.dbias.dtype == "fp32" else 2
-        )
-    if spec.deterministic:
-        sem = fake_tensor("i32", ("d", "d", "1"), 4)
-    scalars = [1.0, 1.0, 0.0, 0.0, 1.0, 0, 0, 1, 1, 1]
-    return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask, bias, dbias, sem, *scalars,
-            env_stream()]  # fmt: skip
 
 
 def _dbias_buffers(
@@ -144,11 +103,10 @@ def backward_spec_of(
 ) -> BwdSpec:
     """The backward variant a call runs (mask/bias: normalized 4-D views; tensors may be on
     the meta device, e.g. to list variants for an offline compile)."""
-    mask_k = None if mask is None else _operand_view(mask)
-    bias_k = None if bias is None else _operand_view(bias)
+    mask_k, bias_k = operand_view(mask), operand_view(bias)
     # Planning only needs the buffer's strides: allocated on the meta device.
     kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta")
-    dbias_view = None if dbias_buf is None else broadcast_view(dbias_buf)
+    dbias_view = broadcast_view(dbias_buf)
     return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
 
 
@@ -169,15 +127,14 @@ def flash_bwd(
     mask/bias are the normalized 4-D views of `problem.make_problem`; stats is the forward's
     [B, H, 2, Sq] row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype.
     """
-    q, k, v, out, dout = (_qkv_view(t) for t in (q, k, v, out, dout))
-    mask_k = None if mask is None else _operand_view(mask)
-    bias_k = None if bias is None else _operand_view(bias)
+    q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
+    mask_k, bias_k = operand_view(mask), operand_view(bias)
     dpsum = bwd_preprocess(out, dout)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     kind, fold, dbias, dbias_buf = _dbias_buffers(problem, bias, bias_grad)
-    dbias_view = None if dbias_buf is None else broadcast_view(dbias_buf)
+    dbias_view = broadcast_view(dbias_buf)
 
     arch = target_arch(q.device)
     spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
@@ -188,12 +145,11 @@ def flash_bwd(
             problem.batch, problem.num_heads, num_m, dtype=torch.int32, device=q.device
         )
     kernel = compiled(spec, arch)
-    args = [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
-            *_bwd_scalars(problem, mask_k, bias_k)]  # fmt: skip
-    kernel(*args)
+    scalars = kernel_scalars(BwdScalars, problem, mask_k, bias_k)
+    kernel(q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem, *scalars)
     if kind == "sum":
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)
     return dq_acc.to(q.dtype), dk, dv, dbias
 
 
-__all__ = ["backward_spec_of", "bwd_spec", "dbias_plan", "example_args", "flash_bwd"]
+__all__ = ["backward_spec_of", "bwd_spec", "dbias_plan", "flash_bwd"]

@@ -90,7 +90,7 @@ class BwdPreprocessSpec:
     def compile(self, arch: str, options: str = "") -> JitCompiledFunction:
         """Compiles for ``arch`` offline. Every shape and stride but the unit stride of D is
         dynamic, so one compile serves all B/Sq/H/D up to head_dim_padded."""
-        from dmattn_cute.kernels.fwd_launch import env_stream, fake_tensor
+        from dmattn_cute.kernels.spec import env_stream, fake_tensor
 
         name = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
         out, dout = (fake_tensor(name, ("d", "d", "d", "1"), _VECTOR_BYTES) for _ in range(2))
