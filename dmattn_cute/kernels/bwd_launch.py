@@ -11,9 +11,9 @@ import torch
 
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
-from ..problem import Problem, broadcast_view
+from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
 from .bwd import BwdScalars, BwdSpec, DbiasSpec
-from .bwd_pre import bwd_preprocess
+from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view, stride_kinds
 
 
@@ -110,6 +110,72 @@ def backward_spec_of(
     return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
 
 
+def preprocess_spec(dtype: torch.dtype, head_dim: int) -> BwdPreprocessSpec:
+    """The preprocess variant for O/dO of `dtype` (fp16 or bf16) and `head_dim` (a multiple of
+    8, at most 256)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"out: expected dtype float16 or bfloat16, got {dtype}")
+    if head_dim % 8 != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"out: expected head dim a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim}"
+        )
+    return BwdPreprocessSpec.build(dtype_name(dtype), head_dim)
+
+
+def _check_vector_aligned(name: str, t: torch.Tensor) -> None:
+    vec = VECTOR_BYTES // t.element_size()
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected the last dim contiguous, got strides {t.stride()}")
+    # A size-1 dim is only ever indexed at 0, so its stride does not matter.
+    misaligned = any(s % vec for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    if t.data_ptr() % VECTOR_BYTES != 0 or misaligned:
+        raise ValueError(
+            f"{name}: expected a {VECTOR_BYTES}-byte aligned base and strides that are multiples "
+            f"of {vec} elements, got data_ptr % {VECTOR_BYTES} = "
+            f"{t.data_ptr() % VECTOR_BYTES}, strides {t.stride()}"
+        )
+
+
+def bwd_preprocess(
+    out: torch.Tensor, dout: torch.Tensor, dpsum: torch.Tensor | None = None
+) -> torch.Tensor:
+    """dpsum [B, H, Sq] float32 = rowsum over D of dout * out, both [B, Sq, H, D] fp16/bf16 on
+    CUDA (last dim contiguous, other strides multiples of 8 elements). Writes into ``dpsum``
+    when given (any strides, last dim contiguous), else into a new tensor. Launches on the
+    current torch CUDA stream."""
+    if out.dim() != 4:
+        raise ValueError(f"out: expected 4 dims [B, Sq, H, D], got shape {tuple(out.shape)}")
+    if out.shape != dout.shape or out.dtype != dout.dtype or out.device != dout.device:
+        raise ValueError(
+            f"dout: expected shape {tuple(out.shape)}, dtype {out.dtype} and device "
+            f"{out.device} like out, got {tuple(dout.shape)}, {dout.dtype}, {dout.device}"
+        )
+    batch, seqlen_q, heads, head_dim = out.shape
+    spec = preprocess_spec(out.dtype, head_dim)
+    _check_vector_aligned("out", out)
+    _check_vector_aligned("dout", dout)
+    if dpsum is None:
+        dpsum = torch.empty(batch, heads, seqlen_q, device=out.device, dtype=torch.float32)
+    elif (
+        dpsum.shape != (batch, heads, seqlen_q)
+        or dpsum.dtype != torch.float32
+        or dpsum.device != out.device
+        or dpsum.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"dpsum: expected float32 [{batch}, {heads}, {seqlen_q}] on {out.device} with the "
+            f"last dim contiguous, got {dpsum.dtype} {tuple(dpsum.shape)} on {dpsum.device} "
+            f"with strides {dpsum.stride()}"
+        )
+    if dpsum.numel() == 0:
+        return dpsum
+    kernel = compiled(spec, target_arch(out.device))
+    # The launch goes to the current device's context; make that out's device.
+    with torch.cuda.device(out.device):
+        kernel(out, dout, dpsum)
+    return dpsum
+
+
 def flash_bwd(
     problem: Problem,
     dout: torch.Tensor,
@@ -152,4 +218,11 @@ def flash_bwd(
     return dq_acc.to(q.dtype), dk, dv, dbias
 
 
-__all__ = ["backward_spec_of", "bwd_spec", "dbias_plan", "flash_bwd"]
+__all__ = [
+    "backward_spec_of",
+    "bwd_preprocess",
+    "bwd_spec",
+    "dbias_plan",
+    "flash_bwd",
+    "preprocess_spec",
+]
