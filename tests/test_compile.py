@@ -66,9 +66,32 @@ def fwd_spec_for(
     return FwdSpec.build(target, dtype, head_dim, mask, bias, has_window, has_softcap)
 
 
-def fwd_ptx(target: str, spec: FwdSpec) -> str:
+# In the compiled module's host code the launch config is a struct (grid, block, dynamic
+# shared memory bytes, stream, attributes, count); the kernel's shared memory is stored to its
+# third field as a constant.
+_LAUNCH_SMEM_FIELD = re.compile(
+    r"(%\d+) = llvm\.getelementptr %\d+\[0, 2\] : \(!llvm\.ptr\) -> !llvm\.ptr, "
+    r"!llvm\.struct<\(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32\)>"
+)
+
+
+def launch_smem_bytes(kernel) -> int:
+    """The dynamic shared memory a compiled kernel is launched with (the DSL sums the kernel's
+    SmemAllocator allocations)."""
+    ir = str(kernel.ir_module)
+    (field,) = _LAUNCH_SMEM_FIELD.findall(ir)
+    (value,) = re.findall(rf"llvm\.store (%\d+), {field} : i64", ir)
+    (size,) = re.findall(rf"{value} = llvm\.mlir\.constant\((\d+) : i64\)", ir)
+    return int(size)
+
+
+def fwd_ptx(target: str, spec: FwdSpec | BwdSpec) -> str:
+    """PTX of the kernel of `spec`, whose shared memory must be the spec's buffers (what the
+    tile search sized it by)."""
     with tempfile.TemporaryDirectory() as dump_dir:
-        return spec.compile(target, f"--keep-ptx --dump-dir {dump_dir}").artifacts.PTX
+        kernel = spec.compile(target, f"--keep-ptx --dump-dir {dump_dir}")
+        assert launch_smem_bytes(kernel) == spec.smem_bytes()
+        return kernel.artifacts.PTX
 
 
 def check_fwd_ptx(target: str, ptx: str) -> None:

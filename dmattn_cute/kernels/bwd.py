@@ -44,20 +44,20 @@ from cutlass.memory import SmemAllocator
 from ..jit.arch import compile_options
 from . import masking, scores, tiles
 from .config import (
+    CACHED_WINDOWS,
     BwdTile,
+    SmemBuffer,
     bwd_region_bytes,
-    bwd_smem_bytes,
+    bwd_smem_buffers,
     bwd_tile,
     padded_head_dim,
+    smem_total,
     tile_row_elems,
     warp_grid,
 )
 from .masking import SCAN_BLOCKS
 from .spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from .utils import acc_mn_view, red_add_f32x2
-
-# Scan windows whose bitmaps are kept for the other heads of a group (Sq up to 64 * 31 blocks).
-CACHED_WINDOWS = 64
 
 
 class BwdScalars(NamedTuple):
@@ -153,9 +153,14 @@ class BwdSpec:
             arch.startswith("sm_90"),
         )
 
-    def smem_bytes(self) -> int:
+    def smem_buffers(self) -> tuple[SmemBuffer, ...]:
+        """The kernel's shared-memory buffers in allocation order (config.bwd_smem_buffers)."""
         smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
-        return bwd_smem_bytes(self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem)
+        return bwd_smem_buffers(self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem)
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA, in bytes."""
+        return smem_total(self.smem_buffers())
 
     def example_args(self) -> list:
         """FlashBwd's arguments for an offline compile (see FwdSpec.example_args)."""

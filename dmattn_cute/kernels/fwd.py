@@ -25,7 +25,15 @@ from cutlass.memory import SmemAllocator
 
 from ..jit.arch import compile_options
 from . import masking, scores, tiles
-from .config import FwdTile, fwd_smem_bytes, fwd_tile, padded_head_dim, tile_row_elems
+from .config import (
+    FwdTile,
+    SmemBuffer,
+    fwd_smem_buffers,
+    fwd_tile,
+    padded_head_dim,
+    smem_total,
+    tile_row_elems,
+)
 from .masking import SCAN_BLOCKS
 from .softmax import OnlineSoftmax
 from .spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
@@ -79,9 +87,14 @@ class FwdSpec:
         tile = fwd_tile(arch, dp, dtype_bytes(dtype), *smem)
         return FwdSpec(dtype, dp, head_dim == dp, tile, mask, bias, has_window, has_softcap)
 
-    def smem_bytes(self) -> int:
+    def smem_buffers(self) -> tuple[SmemBuffer, ...]:
+        """The kernel's shared-memory buffers in allocation order (config.fwd_smem_buffers)."""
         smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
-        return fwd_smem_bytes(self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem)
+        return fwd_smem_buffers(self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem)
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA, in bytes."""
+        return smem_total(self.smem_buffers())
 
     def example_args(self) -> list:
         """FlashFwd's arguments for an offline compile: fake gmem tensors with the stride
