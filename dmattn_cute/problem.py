@@ -242,27 +242,6 @@ def broadcast_view(t: Tensor | None) -> Tensor | None:
     return view.as_strided(view.shape, strides, view.storage_offset())
 
 
-def normalize_broadcast(
-    t: Tensor | None,
-    name: str,
-    batch: int,
-    heads: int,
-    heads_kv: int,
-    seqlen_q: int,
-    seqlen_k: int,
-) -> Tensor | None:
-    """A mask/bias as a 4-D [Bm, Hm, Qm, Km] view of the same storage, or None for None.
-
-    t: [Bm, Hm, Km] (Qm = 1) or [Bm, Hm, Qm, Km] with Bm in {1, B}, Hm in {1, Hkv, H},
-    Qm in {1, Sq}, Km in {1, Sk}; any strides (expanded stride-0 views included).
-    Raises ValueError naming `name` for a wrong rank or a dim that does not broadcast.
-    """
-    if t is None:
-        return None
-    check_broadcast(t, name, batch, heads, heads_kv, seqlen_q, seqlen_k)
-    return broadcast_view(t)
-
-
 def _check_mask_bias(attn_mask: object, attn_bias: object, query: Tensor) -> None:
     for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
         if t is not None and not isinstance(t, Tensor):
