@@ -1,4 +1,5 @@
-"""Host side of the backward: preprocess, the main kernel, and the fp32 -> input dtype casts.
+"""Host side of the backward: the preprocess and the main kernel (variants, buffers, launches),
+and the fp32 -> input dtype casts.
 
 dq is accumulated in fp32 ([B, Sq, H, D], zeroed here) and cast at the end; dk and dv are
 written by the kernel in the input dtype. dbias is either written by the kernel in the bias
@@ -190,8 +191,8 @@ def flash_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
 
-    mask/bias are the normalized 4-D views of `problem.make_problem`; stats is the forward's
-    [B, H, 2, Sq] row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype.
+    mask/bias are 4-D views (problem.broadcast_view); stats is the forward's [B, H, 2, Sq]
+    row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype.
     """
     q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
     mask_k, bias_k = operand_view(mask), operand_view(bias)

@@ -1,9 +1,9 @@
 """Host side of the forward: pick the kernel variant for a problem and launch it on torch tensors.
 
 Kernels are compiled against fake tensors that carry the variant's stride pattern and
-alignment (`FwdSpec.example_args`) and called through TVM-FFI with the torch tensors themselves: the
-call checks each tensor against that pattern in C, and the kernel runs on the current torch
-stream.
+alignment (`FwdSpec.example_args`) and called through TVM-FFI with the torch tensors
+themselves: the call checks each tensor against that pattern in C, and the kernel runs on the
+current torch stream.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def flash_fwd(
     the backward's softmax stats [B, H, 2, Sq] fp32 (per row: the max score in accumulator
     units and log2 of the row sum; see kernels/softmax.py).
 
-    mask/bias are the normalized 4-D views of `problem.make_problem`; out/lse/stats may be
-    given (e.g. poisoned by tests) and are written in place.
+    mask/bias are 4-D views (problem.broadcast_view); out/lse/stats may be given (e.g.
+    poisoned by tests) and are written in place.
     """
     q, k, v = qkv_view(q), qkv_view(k), qkv_view(v)
     mask, bias = operand_view(mask), operand_view(bias)
