@@ -33,8 +33,8 @@ def fwd_spec(
         arch,
         dtype_name(problem.dtype),
         problem.head_dim,
-        None if mask is None else operand_spec(mask, problem.seqlen_k),
-        None if bias is None else operand_spec(bias, problem.seqlen_k),
+        operand_spec(mask, problem.seqlen_k),
+        operand_spec(bias, problem.seqlen_k),
         problem.has_window,
         problem.softcap > 0,
     )

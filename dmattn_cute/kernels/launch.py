@@ -32,8 +32,11 @@ def stride_kinds(t: torch.Tensor) -> tuple[str, ...]:
     return tuple("0" if s == 0 else "1" if s == 1 else "d" for s in t.stride())
 
 
-def operand_spec(t: torch.Tensor, seqlen_k: int) -> OperandSpec:
-    """Stride pattern and the widest aligned key-dim vector of a mask/bias kernel view."""
+def operand_spec(t: torch.Tensor | None, seqlen_k: int) -> OperandSpec | None:
+    """Stride pattern and the widest aligned key-dim vector of a mask/bias kernel view
+    (operand_view); None for None."""
+    if t is None:
+        return None
     strides = stride_kinds(t)
     es = t.element_size()
     vec = 1
