@@ -111,15 +111,19 @@ def test_no_private_names_cross_modules() -> None:
     assert borrowed == []
 
 
-def _scalar_params(kernel: type) -> list[str]:
-    """The scalar parameters of a kernel class's @cute.jit __call__, in order."""
+def _params(kernel: type) -> list[inspect.Parameter]:
+    """The parameters of a kernel class's __call__ after self (@cute.jit wraps the function;
+    inspect.unwrap finds the one written)."""
     call = inspect.unwrap(kernel.__dict__["__call__"])
-    # With postponed annotations these are the source text: cutlass.Float32, cutlass.Int32, ...
-    return [
-        name
-        for name, param in inspect.signature(call).parameters.items()
-        if str(param.annotation).startswith("cutlass.")
-    ]
+    return list(inspect.signature(call).parameters.values())[1:]
+
+
+def _scalar_params(kernel: type) -> list[str]:
+    """The names of the parameters between a kernel's last tensor and its stream."""
+    *params, stream = _params(kernel)
+    assert stream.name == "stream"
+    tensors = [i for i, param in enumerate(params) if "Tensor" in str(param.annotation)]
+    return [param.name for param in params[max(tensors) + 1 :]]
 
 
 @pytest.mark.parametrize(
@@ -133,11 +137,12 @@ def _scalar_params(kernel: type) -> list[str]:
 )  # fmt: skip
 def test_named_scalars_are_the_kernel_parameters(kernel, scalars, spec) -> None:
     assert list(scalars._fields) == _scalar_params(kernel)
-    params = list(inspect.signature(inspect.unwrap(kernel.__dict__["__call__"])).parameters)
-    # example_args passes one value per parameter after self, the scalars in their place.
-    assert len(spec.example_args()) == len(params) - 1
-    first = params.index(scalars._fields[0]) - 1
-    assert tuple(spec.example_args()[first : first + len(scalars._fields)]) == scalars()
+    names = [param.name for param in _params(kernel)]
+    # example_args passes one value per parameter, the scalars in their place.
+    args = spec.example_args()
+    assert len(args) == len(names)
+    first = names.index(scalars._fields[0])
+    assert tuple(args[first : first + len(scalars._fields)]) == scalars()
 
 
 def test_scalars_of_a_problem() -> None:
