@@ -2,8 +2,8 @@
 
 On a CUDA GPU: a masked, biased forward checked against the float32 reference and timed, then
 forward + backward (with the bias gradient) timed. On a CPU-only machine: the reference path,
-then offline compiles of the forward and backward kernels for every supported architecture (no
-GPU needed), saying so.
+then offline compiles of the kernels the GPU run launches (planned as a launch plans them) for
+every supported architecture (no GPU needed), saying so.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import torch
 
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.jit import SUPPORTED_ARCHS
-from dmattn_cute.kernels.bwd import BwdSpec, DbiasSpec
-from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
+from dmattn_cute.precompile import planned_kernels
 from dmattn_cute.reference import attention_ref
+
+# The GPU run's problem: B2 H16 Hkv4 S4096 D128.
+SIZES = (2, 4096, 16, 4, 128)
+KERNELS = {"fwd": "forward", "bwd_pre": "backward preprocess", "bwd": "backward"}
 
 
 def _inputs(device: str, b: int, s: int, h: int, hkv: int, d: int):
@@ -29,7 +32,7 @@ def _inputs(device: str, b: int, s: int, h: int, hkv: int, d: int):
 
 
 def _gpu() -> None:
-    q, k, v, mask, bias = _inputs("cuda", 2, 4096, 16, 4, 128)
+    q, k, v, mask, bias = _inputs("cuda", *SIZES)
     start = time.perf_counter()
     out = flash_dmattn_func(q, k, v, mask, bias)
     torch.cuda.synchronize()
@@ -78,26 +81,18 @@ def _cpu() -> None:
         f"reference forward/backward on CPU: out {tuple(out.shape)}, "
         f"dbias {tuple(bias.grad.shape)} {bias.grad.dtype}"
     )
-    mask_spec = OperandSpec("u8", ("d", "d", "d", "1"), 16)
-    bias_spec = OperandSpec("bf16", ("d", "d", "0", "1"), 8)
-    dbias_spec = DbiasSpec("fp32", ("d", "d", "0", "1"), True, False, True)
+    # The kernels the GPU run launches, planned on meta tensors by the launches' own code.
+    q, k, v, mask, bias = _inputs("meta", *SIZES)
     for arch in SUPPORTED_ARCHS:
-        specs = (
-            ("forward", FwdSpec.build(arch, "bf16", 128, mask_spec, bias_spec, False, False)),
-            (
-                "backward",
-                BwdSpec.build(
-                    arch, "bf16", 128, mask_spec, bias_spec, dbias_spec, False, False, False
-                ),
-            ),
-        )
-        for kind, spec in specs:
+        for kind, spec in planned_kernels(arch, q, k, v, mask, bias):
             start = time.perf_counter()
             spec.compile(arch)
+            detail = ""
+            if hasattr(spec, "tile"):  # the preprocess has no tile table
+                detail = f": tile {spec.tile}, {spec.smem_bytes() // 1024} KiB shared memory"
             print(
-                f"compiled the {kind} (D=128, mask + bias) for {arch} offline in "
-                f"{time.perf_counter() - start:.1f} s: tile {spec.tile}, "
-                f"{spec.smem_bytes() // 1024} KiB shared memory"
+                f"compiled the {KERNELS[kind]} (D=128, mask + bias) for {arch} offline in "
+                f"{time.perf_counter() - start:.1f} s{detail}"
             )
 
 

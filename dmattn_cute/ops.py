@@ -7,8 +7,9 @@ On CUDA tensors the ops launch the CuTe kernels; on other devices they run the f
 reference (the backward differentiates it), so the same graph works on a CPU.
 
 The ops trust their arguments: flash_dmattn_func validates every call (SPEC.md's errors)
-before it reaches them. mask and bias are passed as the caller gave them (3-D or 4-D, broadcast, expanded): the ops
-normalize them, and dbias comes back in the bias's own shape and dtype. Ops cannot return an
+before it reaches them. mask and bias are passed as the caller gave them (3-D or 4-D,
+broadcast, expanded): the ops normalize them, and dbias comes back in the bias's own shape
+and dtype. Ops cannot return an
 optional tensor, so a dbias that was not asked for is an empty tensor (no attention-sized
 allocation), which the autograd formula turns into None.
 """
@@ -29,7 +30,6 @@ from dmattn_cute.reference import attention_ref, attention_ref_backward
 def _problem(
     query: Tensor,
     key: Tensor,
-    value: Tensor,
     attn_mask: Tensor | None,
     attn_bias: Tensor | None,
     softmax_scale: float,
@@ -39,19 +39,23 @@ def _problem(
     window_right: int,
     deterministic: bool,
 ) -> tuple[Problem, Tensor | None, Tensor | None]:
+    """The problem and the 4-D mask/bias views of an op's arguments."""
     # flash_dmattn_func validated these arguments (check_problem) before calling the op, so
     # they are only described here; the device is checked again because under torch.compile
     # validation ran at trace time.
     if query.device.type == "cuda":
         check_device(query.device)
-    batch, seqlen_q, num_heads, head_dim = query.shape
-    problem = Problem(
-        batch, seqlen_q, key.shape[1], num_heads, key.shape[2], head_dim, query.dtype,
-        softmax_scale, is_causal, softcap, window_left, window_right, deterministic,
-    )  # fmt: skip
-    mask = None if attn_mask is None else broadcast_view(attn_mask)
-    bias = None if attn_bias is None else broadcast_view(attn_bias)
-    return problem, mask, bias
+    problem = Problem.from_tensors(
+        query,
+        key,
+        softmax_scale=softmax_scale,
+        is_causal=is_causal,
+        softcap=softcap,
+        window_left=window_left,
+        window_right=window_right,
+        deterministic=deterministic,
+    )
+    return problem, broadcast_view(attn_mask), broadcast_view(attn_bias)
 
 
 def _reference(query, key, value, attn_mask, attn_bias, problem: Problem) -> tuple[Tensor, Tensor]:
@@ -91,8 +95,8 @@ def attention_fwd(
     ``deterministic`` does not change the forward; it is carried to the backward op.
     """
     problem, mask, bias = _problem(
-        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-        window_left, window_right, deterministic,
+        query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, window_left,
+        window_right, deterministic,
     )  # fmt: skip
     if query.device.type == "cuda":
         return flash_fwd(problem, query, key, value, mask, bias)
@@ -135,8 +139,8 @@ def attention_bwd(
     """dq, dk, dv (shapes and dtypes of query, key, value) and dbias (attn_bias's shape and
     dtype when ``bias_grad``, else an empty tensor), all contiguous."""
     problem, mask, bias = _problem(
-        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-        window_left, window_right, deterministic,
+        query, key, attn_mask, attn_bias, softmax_scale, is_causal, softcap, window_left,
+        window_right, deterministic,
     )  # fmt: skip
     bias_grad = bias_grad and attn_bias is not None
     if query.device.type == "cuda":

@@ -25,8 +25,7 @@ import torch
 
 from dmattn_cute.jit import cache
 from dmattn_cute.jit.arch import SUPPORTED_ARCHS
-from dmattn_cute.kernels.bwd_launch import backward_spec_of
-from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
+from dmattn_cute.kernels.bwd_launch import backward_spec_of, preprocess_spec
 from dmattn_cute.kernels.fwd_launch import forward_spec_of
 from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, make_problem
 
@@ -142,7 +141,7 @@ def planned_kernels(
     kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch))]
     if backward:
         kernels += [
-            ("bwd_pre", BwdPreprocessSpec.for_problem(problem.dtype, problem.head_dim)),
+            ("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)),
             ("bwd", backward_spec_of(problem, mask4, bias4, bias is not None, arch)),
         ]
     return kernels

@@ -1,8 +1,9 @@
 """Validate the inputs of one attention call once, before anything runs, and describe them.
 
-`make_problem` checks everything SPEC.md's "Errors" lists and returns a frozen `Problem`
-(sizes and flags) plus the mask and bias as 4-D broadcast views read in place by the kernels.
-Every error names the argument, what was expected and what was given.
+`check_problem` checks everything SPEC.md's "Errors" lists and returns a frozen `Problem`
+(sizes and flags; `Problem.from_tensors` is the one place one is made); `make_problem` adds
+the mask and bias as 4-D broadcast views read in place by the kernels. Every error names the
+argument, what was expected and what was given.
 """
 
 from __future__ import annotations
@@ -38,6 +39,44 @@ class Problem:
     window_left: int  # -1 = unbounded
     window_right: int  # -1 = unbounded
     deterministic: bool
+
+    @classmethod
+    def from_tensors(
+        cls,
+        query: Tensor,
+        key: Tensor,
+        *,
+        softmax_scale: float,
+        is_causal: bool,
+        softcap: float,
+        window_left: int,
+        window_right: int,
+        deterministic: bool,
+    ) -> Problem:
+        """The description of a call with query [B, Sq, H, D] and key [B, Sk, Hkv, D]; the one
+        place a Problem is made. Checks nothing: check_problem validates a call's arguments
+        before it describes them, the ops describe arguments validated by their caller."""
+        batch, seqlen_q, num_heads, head_dim = query.shape
+        return cls(
+            batch=batch,
+            seqlen_q=seqlen_q,
+            seqlen_k=key.shape[1],
+            num_heads=num_heads,
+            num_heads_kv=key.shape[2],
+            head_dim=head_dim,
+            dtype=query.dtype,
+            softmax_scale=softmax_scale,
+            is_causal=is_causal,
+            softcap=softcap,
+            window_left=window_left,
+            window_right=window_right,
+            deterministic=deterministic,
+        )
+
+    @property
+    def has_window(self) -> bool:
+        """Keys are limited per query: causal or a sliding window on either side."""
+        return self.is_causal or self.window_left >= 0 or self.window_right >= 0
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
@@ -191,35 +230,16 @@ def check_broadcast(
             )
 
 
-def broadcast_view(t: Tensor) -> Tensor:
+def broadcast_view(t: Tensor | None) -> Tensor | None:
     """t (3-D [Bm, Hm, Km] or 4-D) as a 4-D view of the same storage with stride 0 on its
-    size-1 dims, so a kernel indexes every dim alike; nothing is copied."""
+    size-1 dims, so a kernel indexes every dim alike; nothing is copied. None for None."""
+    if t is None:
+        return None
     view = t.unsqueeze(2) if t.dim() == 3 else t
     strides = tuple(
         0 if size == 1 else stride for size, stride in zip(view.shape, view.stride(), strict=True)
     )
     return view.as_strided(view.shape, strides, view.storage_offset())
-
-
-def normalize_broadcast(
-    t: Tensor | None,
-    name: str,
-    batch: int,
-    heads: int,
-    heads_kv: int,
-    seqlen_q: int,
-    seqlen_k: int,
-) -> Tensor | None:
-    """A mask/bias as a 4-D [Bm, Hm, Qm, Km] view of the same storage, or None for None.
-
-    t: [Bm, Hm, Km] (Qm = 1) or [Bm, Hm, Qm, Km] with Bm in {1, B}, Hm in {1, Hkv, H},
-    Qm in {1, Sq}, Km in {1, Sk}; any strides (expanded stride-0 views included).
-    Raises ValueError naming `name` for a wrong rank or a dim that does not broadcast.
-    """
-    if t is None:
-        return None
-    check_broadcast(t, name, batch, heads, heads_kv, seqlen_q, seqlen_k)
-    return broadcast_view(t)
 
 
 def _check_mask_bias(attn_mask: object, attn_bias: object, query: Tensor) -> None:
@@ -281,14 +301,9 @@ def check_problem(
             check_broadcast(t, name, *sizes)
     softmax_scale, softcap = _check_scalars(softmax_scale, softcap, head_dim)
     window_left, window_right = check_window_size(window_size)
-    problem = Problem(
-        batch=batch,
-        seqlen_q=seqlen_q,
-        seqlen_k=seqlen_k,
-        num_heads=num_heads,
-        num_heads_kv=num_heads_kv,
-        head_dim=head_dim,
-        dtype=query.dtype,
+    problem = Problem.from_tensors(
+        query,
+        key,
         softmax_scale=softmax_scale,
         is_causal=check_bool("is_causal", is_causal),
         softcap=softcap,
@@ -321,6 +336,4 @@ def make_problem(
         query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
         window_size, deterministic,
     )  # fmt: skip
-    mask = None if attn_mask is None else broadcast_view(attn_mask)
-    bias = None if attn_bias is None else broadcast_view(attn_bias)
-    return problem, mask, bias
+    return problem, broadcast_view(attn_mask), broadcast_view(attn_bias)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dmattn_cute.jit import compile_count
-from dmattn_cute.kernels.bwd_pre import bwd_preprocess
+from dmattn_cute.kernels.bwd_launch import bwd_preprocess
 
 pytestmark = pytest.mark.gpu
 

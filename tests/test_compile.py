@@ -5,7 +5,6 @@ import re
 import tempfile
 
 import pytest
-import torch
 
 from dmattn_cute.jit import SUPPORTED_ARCHS
 from dmattn_cute.jit.arch import smem_capacity
@@ -26,16 +25,16 @@ ROW_BIAS_FP32 = OperandSpec("fp32", ("d", "d", "0", "1"), 4)
 UNALIGNED_BIAS = OperandSpec("bf16", ("0", "d", "d", "1"), 1)
 
 BWD_PRE_CASES = [
-    pytest.param(torch.float16, 128, id="fp16-d128"),
-    pytest.param(torch.bfloat16, 40, id="bf16-d40"),
-    pytest.param(torch.bfloat16, 256, id="bf16-d256"),
+    pytest.param("fp16", 128, id="fp16-d128"),
+    pytest.param("bf16", 40, id="bf16-d40"),
+    pytest.param("bf16", 256, id="bf16-d256"),
 ]
 
 
-def bwd_pre_ptx(target: str, dtype: torch.dtype, head_dim: int) -> str:
+def bwd_pre_ptx(target: str, dtype: str, head_dim: int) -> str:
     """PTX of the backward preprocess kernel compiled for ``target``. --keep-ptx writes the PTX
     into --dump-dir (which must exist); the compiled function's artifacts hold its text."""
-    spec = BwdPreprocessSpec.for_problem(dtype, head_dim)
+    spec = BwdPreprocessSpec.build(dtype, head_dim)
     with tempfile.TemporaryDirectory() as dump_dir:
         kernel = spec.compile(target, f"--keep-ptx --dump-dir {dump_dir}")
         return kernel.artifacts.PTX
@@ -44,7 +43,7 @@ def bwd_pre_ptx(target: str, dtype: torch.dtype, head_dim: int) -> str:
 @pytest.mark.parametrize(("dtype", "head_dim"), BWD_PRE_CASES)
 @pytest.mark.parametrize("target", SUPPORTED_ARCHS)
 def test_bwd_pre_ptx_targets_the_arch(
-    target: str, dtype: torch.dtype, head_dim: int, tmp_path, monkeypatch: pytest.MonkeyPatch
+    target: str, dtype: str, head_dim: int, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     ptx = bwd_pre_ptx(target, dtype, head_dim)
@@ -54,7 +53,7 @@ def test_bwd_pre_ptx_targets_the_arch(
 
 @pytest.mark.parametrize(("dtype", "head_dim"), BWD_PRE_CASES)
 @pytest.mark.parametrize("target", SUPPORTED_ARCHS)
-def test_bwd_pre_loads_128_bit_vectors(target: str, dtype: torch.dtype, head_dim: int) -> None:
+def test_bwd_pre_loads_128_bit_vectors(target: str, dtype: str, head_dim: int) -> None:
     loads = re.findall(r"\bld\.global\.\S+", bwd_pre_ptx(target, dtype, head_dim))
     assert loads and all(".v4.b32" in load for load in loads), loads
 
@@ -71,9 +70,32 @@ def fwd_spec_for(
     return FwdSpec.build(target, dtype, head_dim, mask, bias, has_window, has_softcap)
 
 
-def fwd_ptx(target: str, spec: FwdSpec) -> str:
+# In the compiled module's host code the launch config is a struct (grid, block, dynamic
+# shared memory bytes, stream, attributes, count); the kernel's shared memory is stored to its
+# third field as a constant.
+_LAUNCH_SMEM_FIELD = re.compile(
+    r"(%\d+) = llvm\.getelementptr %\d+\[0, 2\] : \(!llvm\.ptr\) -> !llvm\.ptr, "
+    r"!llvm\.struct<\(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32\)>"
+)
+
+
+def launch_smem_bytes(kernel) -> int:
+    """The dynamic shared memory a compiled kernel is launched with (the DSL sums the kernel's
+    SmemAllocator allocations)."""
+    ir = str(kernel.ir_module)
+    (field,) = _LAUNCH_SMEM_FIELD.findall(ir)
+    (value,) = re.findall(rf"llvm\.store (%\d+), {field} : i64", ir)
+    (size,) = re.findall(rf"{value} = llvm\.mlir\.constant\((\d+) : i64\)", ir)
+    return int(size)
+
+
+def fwd_ptx(target: str, spec: FwdSpec | BwdSpec) -> str:
+    """PTX of the kernel of `spec`, whose shared memory must be the spec's buffers (what the
+    tile search sized it by)."""
     with tempfile.TemporaryDirectory() as dump_dir:
-        return spec.compile(target, f"--keep-ptx --dump-dir {dump_dir}").artifacts.PTX
+        kernel = spec.compile(target, f"--keep-ptx --dump-dir {dump_dir}")
+        assert launch_smem_bytes(kernel) == spec.smem_bytes()
+        return kernel.artifacts.PTX
 
 
 def check_fwd_ptx(target: str, ptx: str) -> None:

@@ -1,11 +1,18 @@
-"""The per-architecture forward tile table and its shared-memory check."""
+"""The per-architecture tile tables and their shared-memory accounting."""
 
 import pytest
 
 from dmattn_cute.jit import SUPPORTED_ARCHS
 from dmattn_cute.jit.arch import smem_capacity
 from dmattn_cute.kernels import config
-from dmattn_cute.kernels.config import SmemOperand, fwd_smem_bytes, fwd_tile, padded_head_dim
+from dmattn_cute.kernels.config import (
+    SmemBuffer,
+    SmemOperand,
+    fwd_smem_bytes,
+    fwd_tile,
+    padded_head_dim,
+    smem_total,
+)
 
 OPERANDS = [
     (None, None),
@@ -41,3 +48,8 @@ def test_impossible_combination_is_a_spec_time_error(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(config, "smem_capacity", lambda arch: 48 * 1024)
     with pytest.raises(ValueError, match="shared memory"):
         fwd_tile("sm_86", 256, 2, SmemOperand(1, False), SmemOperand(4, False))
+
+
+def test_buffers_are_placed_at_their_alignment() -> None:
+    buffers = [SmemBuffer("a", 10, 4), SmemBuffer("b", 8, 16), SmemBuffer("c", 4, 4)]
+    assert smem_total(buffers) == 16 + 8 + 4

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from dmattn_cute.jit import cache
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
@@ -32,7 +31,7 @@ def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _small_spec(head_dim: int = 64) -> BwdPreprocessSpec:
-    return BwdPreprocessSpec.for_problem(torch.bfloat16, head_dim)
+    return BwdPreprocessSpec.build("bf16", head_dim)
 
 
 def test_cache_dir_default_override_and_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -133,11 +132,11 @@ def test_disabled_cache_writes_nothing(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 _WORKER = """
-import json, sys, torch
+import json, sys
 from dmattn_cute.jit import cache
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
 sys.stdin.readline()  # start together
-cache.compiled(BwdPreprocessSpec.for_problem(torch.bfloat16, 64), "sm_89")
+cache.compiled(BwdPreprocessSpec.build("bf16", 64), "sm_89")
 print(json.dumps([cache.compile_count(), cache.load_count()]))
 """
 

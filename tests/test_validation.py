@@ -11,7 +11,8 @@ import torch
 
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.jit.arch import device_arch
-from dmattn_cute.problem import check_device, make_problem, normalize_broadcast
+from dmattn_cute.problem import check_device, make_problem
+from tests.utils import normalize_broadcast
 
 B, SQ, SK, H, HKV, D = 2, 3, 5, 4, 2, 16
 DTYPE = torch.bfloat16

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from dmattn_cute import flash_dmattn_func
 from dmattn_cute.kernels.fwd_launch import flash_fwd
-from dmattn_cute.problem import make_problem
+from dmattn_cute.problem import broadcast_view, check_broadcast, make_problem
 from dmattn_cute.reference import _per_query_head, _probabilities, attention_ref
 
 # (Sq, Sk) pairs of the GPU tests: odd, tile-edge and long lengths, Sq != Sk, decode (Sq = 1).
@@ -27,6 +27,27 @@ SEQLENS = [
     (64, 4096),
     (4096, 129),
 ]
+
+
+def normalize_broadcast(
+    t: Tensor | None,
+    name: str,
+    batch: int,
+    heads: int,
+    heads_kv: int,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> Tensor | None:
+    """A mask/bias as a 4-D [Bm, Hm, Qm, Km] view of the same storage, or None for None.
+
+    t: [Bm, Hm, Km] (Qm = 1) or [Bm, Hm, Qm, Km] with Bm in {1, B}, Hm in {1, Hkv, H},
+    Qm in {1, Sq}, Km in {1, Sk}; any strides (expanded stride-0 views included).
+    Raises ValueError naming `name` for a wrong rank or a dim that does not broadcast.
+    """
+    if t is None:
+        return None
+    check_broadcast(t, name, batch, heads, heads_kv, seqlen_q, seqlen_k)
+    return broadcast_view(t)
 
 
 def broadcast_shapes(b: int, hkv: int, h: int, sq: int, sk: int) -> list[tuple[int, ...]]:

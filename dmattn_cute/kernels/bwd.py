@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -32,24 +33,42 @@ from cutlass import cute
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
+from ..jit.arch import compile_options
 from . import gemm, masking, operands, tiles
 from .config import (
+    CACHED_WINDOWS,
     BwdTile,
+    SmemBuffer,
     bwd_region_bytes,
-    bwd_smem_bytes,
+    bwd_smem_buffers,
     bwd_tile,
     padded_head_dim,
+    smem_total,
     warp_grid,
 )
 from .dbias import DbiasWriter
-from .fwd import DTYPES, OperandSpec
 from .masking import SCAN_BLOCKS, ScanState
 from .scores import Scores
+from .spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from .turns import DqTurns
 from .utils import acc_mn_view, red_add_f32x2
 
-# Scan windows whose bitmaps are kept for the other heads of a group (Sq up to 64 * 31 blocks).
-CACHED_WINDOWS = 64
+
+class BwdScalars(NamedTuple):
+    """The scalar arguments of FlashBwd.__call__, named and ordered as there (launch.
+    kernel_scalars builds them from a problem). The defaults are an offline compile's
+    placeholders: any value of the right type."""
+
+    scale_log2: float = 1.0
+    bias_scale: float = 1.0
+    softcap_scale: float = 0.0
+    softcap: float = 0.0
+    softmax_scale: float = 1.0
+    window_left: int = 0
+    window_right: int = 0
+    mask_head_div: int = 1
+    bias_head_div: int = 1
+    group: int = 1
 
 
 @dataclass(frozen=True)
@@ -111,7 +130,7 @@ class BwdSpec:
         fits the architecture's shared memory)."""
         dp = padded_head_dim(head_dim)
         smem = [None if op is None else op.smem() for op in (mask, bias)]
-        tile = bwd_tile(arch, dp, DTYPES[dtype].width // 8, *smem)
+        tile = bwd_tile(arch, dp, dtype_bytes(dtype), *smem)
         return BwdSpec(
             dtype,
             dp,
@@ -128,17 +147,34 @@ class BwdSpec:
             arch.startswith("sm_90"),
         )
 
-    def smem_bytes(self) -> int:
+    def smem_buffers(self) -> tuple[SmemBuffer, ...]:
+        """The kernel's shared-memory buffers in allocation order (config.bwd_smem_buffers)."""
         smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
-        return bwd_smem_bytes(self.tile, self.head_dim_padded, DTYPES[self.dtype].width // 8, *smem)
+        return bwd_smem_buffers(self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem)
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA, in bytes."""
+        return smem_total(self.smem_buffers())
+
+    def example_args(self) -> list:
+        """FlashBwd's arguments for an offline compile (see FwdSpec.example_args)."""
+        q, k, v, dout, dk, dv = (fake_rows(self.dtype) for _ in range(6))
+        stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
+        dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
+        dq_acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
+        mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
+        dbias = sem = None
+        if self.dbias is not None:
+            dbias = fake_tensor(self.dbias.dtype, self.dbias.strides, dtype_bytes(self.dbias.dtype))
+        if self.deterministic:
+            sem = fake_tensor("i32", ("d", "d", "1"), 4)
+        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask, bias, dbias, sem,
+                *BwdScalars(), env_stream()]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
         """cute.compile of this variant for `arch` (no GPU needed)."""
-        from ..jit.arch import compile_options
-        from .bwd_launch import example_args
-
         return cute.compile(
-            FlashBwd(self), *example_args(self), options=compile_options(arch, extra_options)
+            FlashBwd(self), *self.example_args(), options=compile_options(arch, extra_options)
         )
 
 

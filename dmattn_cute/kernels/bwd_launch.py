@@ -1,4 +1,5 @@
-"""Host side of the backward: preprocess, the main kernel, and the fp32 -> input dtype casts.
+"""Host side of the backward: the preprocess and the main kernel (variants, buffers, launches),
+and the fp32 -> input dtype casts.
 
 dq is accumulated in fp32 ([B, Sq, H, D], zeroed here) and cast at the end; dk and dv are
 written by the kernel in the input dtype. dbias is either written by the kernel in the bias
@@ -11,20 +12,10 @@ import torch
 
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
-from ..problem import Problem, broadcast_view
-from .bwd import BwdSpec, DbiasSpec
-from .bwd_pre import bwd_preprocess
-from .fwd import DTYPES
-from .fwd_launch import (
-    _DTYPE_NAMES,
-    _operand_spec,
-    _operand_view,
-    _qkv_view,
-    _scalars,
-    _stride_kind,
-    env_stream,
-    fake_tensor,
-)
+from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
+from .bwd import BwdScalars, BwdSpec, DbiasSpec
+from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
+from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view, stride_kinds
 
 
 def dbias_plan(problem: Problem, bias_shape: torch.Size) -> tuple[str, bool, bool]:
@@ -57,60 +48,29 @@ def bwd_spec(
     fold: tuple[bool, bool],
     arch: str,
 ) -> BwdSpec:
-    """The backward variant for a problem (mask/bias: kernel views from `_operand_view`;
+    """The backward variant for a problem (mask/bias: kernel views from launch.operand_view;
     dbias_buf: the broadcast view the kernel writes, None for no dbias work)."""
     dbias = None
     if dbias_buf is not None:
         dbias = DbiasSpec(
-            _DTYPE_NAMES[dbias_buf.dtype],
-            tuple(_stride_kind(s) for s in dbias_buf.stride()),
+            dtype_name(dbias_buf.dtype),
+            stride_kinds(dbias_buf),
             rows_summed=dbias_buf.shape[2] == 1,
             direct=kind == "direct",
             atomic=not problem.deterministic,
         )
     return BwdSpec.build(
         arch,
-        _DTYPE_NAMES[problem.dtype],
+        dtype_name(problem.dtype),
         problem.head_dim,
-        None if mask is None else _operand_spec(mask, problem.seqlen_k),
-        None if bias is None else _operand_spec(bias, problem.seqlen_k),
+        operand_spec(mask, problem.seqlen_k),
+        operand_spec(bias, problem.seqlen_k),
         dbias,
-        problem.is_causal or problem.window_left >= 0 or problem.window_right >= 0,
+        problem.has_window,
         problem.softcap > 0,
         problem.deterministic,
         *fold,
     )
-
-
-def _bwd_scalars(problem: Problem, mask, bias) -> list:
-    scalars = _scalars(problem, mask, bias)
-    # fwd order: scale_log2, bias_scale, softcap_scale, softcap, left, right, divs, group
-    return [*scalars[:4], problem.softmax_scale, *scalars[4:]]
-
-
-def example_args(spec: BwdSpec) -> list:
-    """Arguments for an offline `cute.compile` of `spec` (see fwd_launch.example_args)."""
-    q, k, v, dout, dk, dv = (
-        fake_tensor(spec.dtype, ("d", "d", "d", "1"), 16, stride_div=8) for _ in range(6)
-    )
-    stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
-    dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
-    dq_acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
-    mask = bias = dbias = sem = None
-    if spec.mask is not None:
-        mask = fake_tensor(spec.mask.dtype, spec.mask.strides, spec.mask.vec, spec.mask.vec)
-    if spec.bias is not None:
-        elem = DTYPES[spec.bias.dtype].width // 8
-        bias = fake_tensor(spec.bias.dtype, spec.bias.strides, spec.bias.vec * elem, spec.bias.vec)
-    if spec.dbias is not None:
-        dbias = fake_tensor(
-            spec.dbias.dtype, spec.dbias.strides, 4 if spec.dbias.dtype == "fp32" else 2
-        )
-    if spec.deterministic:
-        sem = fake_tensor("i32", ("d", "d", "1"), 4)
-    scalars = [1.0, 1.0, 0.0, 0.0, 1.0, 0, 0, 1, 1, 1]
-    return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask, bias, dbias, sem, *scalars,
-            env_stream()]  # fmt: skip
 
 
 def _dbias_buffers(
@@ -144,12 +104,77 @@ def backward_spec_of(
 ) -> BwdSpec:
     """The backward variant a call runs (mask/bias: normalized 4-D views; tensors may be on
     the meta device, e.g. to list variants for an offline compile)."""
-    mask_k = None if mask is None else _operand_view(mask)
-    bias_k = None if bias is None else _operand_view(bias)
+    mask_k, bias_k = operand_view(mask), operand_view(bias)
     # Planning only needs the buffer's strides: allocated on the meta device.
     kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta")
-    dbias_view = None if dbias_buf is None else broadcast_view(dbias_buf)
+    dbias_view = broadcast_view(dbias_buf)
     return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
+
+
+def preprocess_spec(dtype: torch.dtype, head_dim: int) -> BwdPreprocessSpec:
+    """The preprocess variant for O/dO of `dtype` (fp16 or bf16) and `head_dim` (a multiple of
+    8, at most 256)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"out: expected dtype float16 or bfloat16, got {dtype}")
+    if head_dim % 8 != 0 or not 0 < head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"out: expected head dim a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim}"
+        )
+    return BwdPreprocessSpec.build(dtype_name(dtype), head_dim)
+
+
+def _check_vector_aligned(name: str, t: torch.Tensor) -> None:
+    vec = VECTOR_BYTES // t.element_size()
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected the last dim contiguous, got strides {t.stride()}")
+    # A size-1 dim is only ever indexed at 0, so its stride does not matter.
+    misaligned = any(s % vec for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    if t.data_ptr() % VECTOR_BYTES != 0 or misaligned:
+        raise ValueError(
+            f"{name}: expected a {VECTOR_BYTES}-byte aligned base and strides that are multiples "
+            f"of {vec} elements, got data_ptr % {VECTOR_BYTES} = "
+            f"{t.data_ptr() % VECTOR_BYTES}, strides {t.stride()}"
+        )
+
+
+def bwd_preprocess(
+    out: torch.Tensor, dout: torch.Tensor, dpsum: torch.Tensor | None = None
+) -> torch.Tensor:
+    """dpsum [B, H, Sq] float32 = rowsum over D of dout * out, both [B, Sq, H, D] fp16/bf16 on
+    CUDA (last dim contiguous, other strides multiples of 8 elements). Writes into ``dpsum``
+    when given (any strides, last dim contiguous), else into a new tensor. Launches on the
+    current torch CUDA stream."""
+    if out.dim() != 4:
+        raise ValueError(f"out: expected 4 dims [B, Sq, H, D], got shape {tuple(out.shape)}")
+    if out.shape != dout.shape or out.dtype != dout.dtype or out.device != dout.device:
+        raise ValueError(
+            f"dout: expected shape {tuple(out.shape)}, dtype {out.dtype} and device "
+            f"{out.device} like out, got {tuple(dout.shape)}, {dout.dtype}, {dout.device}"
+        )
+    batch, seqlen_q, heads, head_dim = out.shape
+    spec = preprocess_spec(out.dtype, head_dim)
+    _check_vector_aligned("out", out)
+    _check_vector_aligned("dout", dout)
+    if dpsum is None:
+        dpsum = torch.empty(batch, heads, seqlen_q, device=out.device, dtype=torch.float32)
+    elif (
+        dpsum.shape != (batch, heads, seqlen_q)
+        or dpsum.dtype != torch.float32
+        or dpsum.device != out.device
+        or dpsum.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"dpsum: expected float32 [{batch}, {heads}, {seqlen_q}] on {out.device} with the "
+            f"last dim contiguous, got {dpsum.dtype} {tuple(dpsum.shape)} on {dpsum.device} "
+            f"with strides {dpsum.stride()}"
+        )
+    if dpsum.numel() == 0:
+        return dpsum
+    kernel = compiled(spec, target_arch(out.device))
+    # The launch goes to the current device's context; make that out's device.
+    with torch.cuda.device(out.device):
+        kernel(out, dout, dpsum)
+    return dpsum
 
 
 def flash_bwd(
@@ -166,18 +191,17 @@ def flash_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
 
-    mask/bias are the normalized 4-D views of `problem.make_problem`; stats is the forward's
-    [B, H, 2, Sq] row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype.
+    mask/bias are 4-D views (problem.broadcast_view); stats is the forward's [B, H, 2, Sq]
+    row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype.
     """
-    q, k, v, out, dout = (_qkv_view(t) for t in (q, k, v, out, dout))
-    mask_k = None if mask is None else _operand_view(mask)
-    bias_k = None if bias is None else _operand_view(bias)
+    q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
+    mask_k, bias_k = operand_view(mask), operand_view(bias)
     dpsum = bwd_preprocess(out, dout)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     kind, fold, dbias, dbias_buf = _dbias_buffers(problem, bias, bias_grad)
-    dbias_view = None if dbias_buf is None else broadcast_view(dbias_buf)
+    dbias_view = broadcast_view(dbias_buf)
 
     arch = target_arch(q.device)
     spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
@@ -188,12 +212,18 @@ def flash_bwd(
             problem.batch, problem.num_heads, num_m, dtype=torch.int32, device=q.device
         )
     kernel = compiled(spec, arch)
-    args = [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
-            *_bwd_scalars(problem, mask_k, bias_k)]  # fmt: skip
-    kernel(*args)
+    scalars = kernel_scalars(BwdScalars, problem, mask_k, bias_k)
+    kernel(q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem, *scalars)
     if kind == "sum":
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)
     return dq_acc.to(q.dtype), dk, dv, dbias
 
 
-__all__ = ["backward_spec_of", "bwd_spec", "dbias_plan", "example_args", "flash_bwd"]
+__all__ = [
+    "backward_spec_of",
+    "bwd_preprocess",
+    "bwd_spec",
+    "dbias_plan",
+    "flash_bwd",
+    "preprocess_spec",
+]

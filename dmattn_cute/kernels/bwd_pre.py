@@ -4,33 +4,33 @@ The backward's dS = P * (dP - dpsum) needs this per-row dot product of the outpu
 gradient; computing it once per row here keeps it out of the backward's inner loop.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
-import torch
 from cutlass import Float32, const_expr, cute
 from cutlass.base_dsl import JitCompiledFunction
 
-from dmattn_cute.jit.arch import compile_options, target_arch
-from dmattn_cute.jit.cache import compiled
+from ..jit.arch import compile_options
+from .config import padded_head_dim
+from .spec import DTYPES, env_stream, fake_tensor
 
-_DTYPES = {
-    "float16": (torch.float16, cutlass.Float16),
-    "bfloat16": (torch.bfloat16, cutlass.BFloat16),
-}
 _COPY_BITS = 128  # one vectorized global load per thread and copy
-_VECTOR_BYTES = _COPY_BITS // 8
+# O and dO rows are read in vectors of this many bytes: the launch checks their alignment.
+VECTOR_BYTES = _COPY_BITS // 8
 _MAX_HEAD_DIM = 256
+_DTYPES = ("bf16", "fp16")
 
 
 @dataclass(frozen=True)
 class BwdPreprocessSpec:
     """One compiled variant of the backward preprocess kernel (the compile-cache key).
 
-    dtype: "float16" or "bfloat16" (O and dO).
-    head_dim_padded: the head dim rounded up to a multiple of 32; a CTA tile is
-        (tile_m, head_dim_padded).
+    dtype: "bf16" or "fp16" (O and dO).
+    head_dim_padded: the head dim the kernel is built for (config.padded_head_dim); a CTA
+        tile is (tile_m, head_dim_padded).
     head_dim_tail: the real head dim is smaller than head_dim_padded, so columns are predicated.
     tile_m: query rows per CTA.  num_threads: threads per CTA.
     """
@@ -55,22 +55,15 @@ class BwdPreprocessSpec:
                 f"covering tile_m in passes of {self.rows_per_pass} rows"
             )
 
-    @classmethod
-    def for_problem(cls, dtype: torch.dtype, head_dim: int) -> "BwdPreprocessSpec":
-        """The spec for O/dO of ``dtype`` with ``head_dim`` (a multiple of 8, at most 256)."""
-        name = next((n for n, (t, _) in _DTYPES.items() if t == dtype), None)
-        if name is None:
-            raise TypeError(f"out: expected dtype float16 or bfloat16, got {dtype}")
-        if head_dim % 8 != 0 or not 0 < head_dim <= _MAX_HEAD_DIM:
-            raise ValueError(
-                f"out: expected head dim a multiple of 8 in [8, {_MAX_HEAD_DIM}], got {head_dim}"
-            )
-        padded = -(-head_dim // 32) * 32
-        return cls(dtype=name, head_dim_padded=padded, head_dim_tail=padded != head_dim)
+    @staticmethod
+    def build(dtype: str, head_dim: int) -> BwdPreprocessSpec:
+        """The variant for O/dO of the dtype named `dtype` with `head_dim` (at most 256)."""
+        dp = padded_head_dim(head_dim)
+        return BwdPreprocessSpec(dtype, dp, head_dim_tail=dp != head_dim)
 
     @property
     def cutlass_dtype(self) -> type[cutlass.Numeric]:
-        return _DTYPES[self.dtype][1]
+        return DTYPES[self.dtype]
 
     @property
     def vec(self) -> int:
@@ -87,21 +80,18 @@ class BwdPreprocessSpec:
     def rows_per_pass(self) -> int:
         return self.num_threads // self.threads_per_row
 
-    def compile(self, arch: str, options: str = "") -> JitCompiledFunction:
-        """Compiles for ``arch`` offline. Every shape and stride but the unit stride of D is
-        dynamic, so one compile serves all B/Sq/H/D up to head_dim_padded."""
-        from dmattn_cute.kernels.fwd_launch import env_stream, fake_tensor
-
-        name = {"float16": "fp16", "bfloat16": "bf16"}[self.dtype]
-        out, dout = (fake_tensor(name, ("d", "d", "d", "1"), _VECTOR_BYTES) for _ in range(2))
+    def example_args(self) -> list:
+        """The kernel's arguments for an offline compile: O, dO (rows aligned to VECTOR_BYTES,
+        D contiguous), dpsum and the stream. Every shape and stride but the unit stride of D
+        is dynamic, so one compile serves all B/Sq/H/D up to head_dim_padded."""
+        out, dout = (fake_tensor(self.dtype, ("d", "d", "d", "1"), VECTOR_BYTES) for _ in range(2))
         dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
+        return [out, dout, dpsum, env_stream()]
+
+    def compile(self, arch: str, options: str = "") -> JitCompiledFunction:
+        """cute.compile of this variant for `arch` (no GPU needed)."""
         return cute.compile(
-            BwdPreprocessKernel(self),
-            out,
-            dout,
-            dpsum,
-            env_stream(),
-            options=compile_options(arch, options),
+            BwdPreprocessKernel(self), *self.example_args(), options=compile_options(arch, options)
         )
 
 
@@ -216,57 +206,3 @@ def _vector_aligned(mX: cute.Tensor, vec: cutlass.Constexpr[int]) -> cute.Tensor
     which proves every 128-bit load of a row 16-byte aligned."""
     strides = [s if isinstance(s, int) else cute.assume(s, divby=vec) for s in mX.stride]
     return cute.make_tensor(mX.iterator, cute.make_layout(mX.shape, stride=tuple(strides)))
-
-
-def _check_vector_aligned(name: str, t: torch.Tensor) -> None:
-    vec = _VECTOR_BYTES // t.element_size()
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name}: expected the last dim contiguous, got strides {t.stride()}")
-    # A size-1 dim is only ever indexed at 0, so its stride does not matter.
-    misaligned = any(s % vec for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
-    if t.data_ptr() % _VECTOR_BYTES != 0 or misaligned:
-        raise ValueError(
-            f"{name}: expected a {_VECTOR_BYTES}-byte aligned base and strides that are multiples "
-            f"of {vec} elements, got data_ptr % {_VECTOR_BYTES} = "
-            f"{t.data_ptr() % _VECTOR_BYTES}, strides {t.stride()}"
-        )
-
-
-def bwd_preprocess(
-    out: torch.Tensor, dout: torch.Tensor, dpsum: torch.Tensor | None = None
-) -> torch.Tensor:
-    """dpsum [B, H, Sq] float32 = rowsum over D of dout * out, both [B, Sq, H, D] fp16/bf16 on
-    CUDA (last dim contiguous, other strides multiples of 8 elements). Writes into ``dpsum``
-    when given (any strides, last dim contiguous), else into a new tensor. Launches on the
-    current torch CUDA stream."""
-    if out.dim() != 4:
-        raise ValueError(f"out: expected 4 dims [B, Sq, H, D], got shape {tuple(out.shape)}")
-    if out.shape != dout.shape or out.dtype != dout.dtype or out.device != dout.device:
-        raise ValueError(
-            f"dout: expected shape {tuple(out.shape)}, dtype {out.dtype} and device "
-            f"{out.device} like out, got {tuple(dout.shape)}, {dout.dtype}, {dout.device}"
-        )
-    batch, seqlen_q, heads, head_dim = out.shape
-    spec = BwdPreprocessSpec.for_problem(out.dtype, head_dim)
-    _check_vector_aligned("out", out)
-    _check_vector_aligned("dout", dout)
-    if dpsum is None:
-        dpsum = torch.empty(batch, heads, seqlen_q, device=out.device, dtype=torch.float32)
-    elif (
-        dpsum.shape != (batch, heads, seqlen_q)
-        or dpsum.dtype != torch.float32
-        or dpsum.device != out.device
-        or dpsum.stride(-1) != 1
-    ):
-        raise ValueError(
-            f"dpsum: expected float32 [{batch}, {heads}, {seqlen_q}] on {out.device} with the "
-            f"last dim contiguous, got {dpsum.dtype} {tuple(dpsum.shape)} on {dpsum.device} "
-            f"with strides {dpsum.stride()}"
-        )
-    if dpsum.numel() == 0:
-        return dpsum
-    kernel = compiled(spec, target_arch(out.device))
-    # The launch goes to the current device's context; make that out's device.
-    with torch.cuda.device(out.device):
-        kernel(out, dout, dpsum)
-    return dpsum

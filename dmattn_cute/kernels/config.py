@@ -1,13 +1,19 @@
-"""Per-architecture tile table of the forward kernel and its shared-memory budget.
+"""Per-architecture tile tables of the forward and backward kernels, and their shared memory.
 
-The forward keeps Q (one tile) and K, V, mask and bias (`kv_stages` tiles each) in shared
-memory. The first candidate that keeps 8 warps resident per SM is chosen (e.g. two 4-warp
+A kernel's shared memory is described once, buffer by buffer in allocation order
+(`fwd_smem_buffers`, `bwd_smem_buffers`, sizes as the DSL allocates them): the tile search
+sizes its candidates with it, and a spec's `smem_buffers()` is what its kernel allocates.
+
+Forward: the first candidate that keeps 8 warps resident per SM is chosen (e.g. two 4-warp
 CTAs: one CTA's loads and barriers overlap the other's math), else the first that fits.
+Backward: the first candidate that fits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..jit.arch import smem_capacity
 
@@ -51,6 +57,71 @@ def tile_row_elems(tile_n: int, elem_bytes: int) -> int:
     return tile_n + ROW_PAD_BYTES // elem_bytes
 
 
+def _round_up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+class SmemBuffer(NamedTuple):
+    """One shared-memory allocation of a CTA: its name, size and alignment in bytes."""
+
+    name: str
+    bytes: int
+    align: int
+
+
+def smem_total(buffers: Iterable[SmemBuffer]) -> int:
+    """Bytes of `buffers` allocated one after the other, each at its alignment (as the DSL's
+    SmemAllocator places them)."""
+    total = 0
+    for buffer in buffers:
+        total = _round_up(total, buffer.align) + buffer.bytes
+    return total
+
+
+def _operand_tiles_bytes(tile_n: int, rows: int, stages: int, operand: SmemOperand) -> int:
+    # `stages` tiles of `rows` padded rows each (tiles.operand_smem_layout); the last row ends
+    # at its last element, without the pad.
+    pitch = tile_row_elems(tile_n, operand.elem_bytes)
+    return ((stages * rows - 1) * pitch + tile_n) * operand.elem_bytes
+
+
+def _scan_words(num_warps: int) -> SmemBuffer:
+    # The mask scan's per-warp (visible, all-True) words (masking.scan_mask_blocks).
+    return SmemBuffer("scan_words", 2 * num_warps * 4, 4)
+
+
+def fwd_smem_buffers(
+    tile: FwdTile,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None,
+    bias: SmemOperand | None,
+) -> tuple[SmemBuffer, ...]:
+    """The shared memory of one forward CTA in allocation order: Q (one tile), K and V
+    (kv_stages tiles each), mask and bias (kv_stages tiles each; one row when broadcast over
+    queries) and, with a mask, the scan's per-warp words."""
+    kv_bytes = tile.kv_stages * tile.tile_n * head_dim_padded * elem_bytes
+    buffers = [
+        SmemBuffer("q", tile.tile_m * head_dim_padded * elem_bytes, 1024),
+        SmemBuffer("k", kv_bytes, 1024),
+        SmemBuffer("v", kv_bytes, 1024),
+    ]
+    for name, operand in (("mask", mask), ("bias", bias)):
+        if operand is not None:
+            rows = 1 if operand.row_broadcast else tile.tile_m
+            size = _operand_tiles_bytes(tile.tile_n, rows, tile.kv_stages, operand)
+            buffers.append(SmemBuffer(name, size, 16))
+    if mask is not None:
+        buffers.append(_scan_words(tile.num_warps))
+    return tuple(buffers)
+
+
+# The tile tables were tuned against estimates of up to this many bytes above the buffers'
+# total; the margin keeps the choices they were tuned for.
+_FWD_MARGIN = 128
+_BWD_MARGIN = 1536
+
+
 def fwd_smem_bytes(
     tile: FwdTile,
     head_dim_padded: int,
@@ -58,15 +129,10 @@ def fwd_smem_bytes(
     mask: SmemOperand | None,
     bias: SmemOperand | None,
 ) -> int:
-    """Shared memory of one forward CTA, in bytes."""
-    total = tile.tile_m * head_dim_padded * elem_bytes
-    total += 2 * tile.kv_stages * tile.tile_n * head_dim_padded * elem_bytes
-    for operand in (mask, bias):
-        if operand is not None:
-            rows = 1 if operand.row_broadcast else tile.tile_m
-            pitch = tile_row_elems(tile.tile_n, operand.elem_bytes)
-            total += tile.kv_stages * rows * pitch * operand.elem_bytes
-    return total + 128  # the mask scan's per-warp words and alignment slack
+    """Shared memory the tile search sets aside for one forward CTA, in bytes: its buffers
+    (fwd_smem_buffers) and a margin."""
+    buffers = fwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
+    return smem_total(buffers) + _FWD_MARGIN
 
 
 # Candidates in order of preference per padded head dim. Larger tiles amortize the online
@@ -153,11 +219,14 @@ class BwdTile:
     def num_threads(self) -> int:
         return self.num_warps * 32
 
+    @property
+    def sdp_grid(self) -> tuple[int, int]:
+        """Warps along (query rows, keys) of the S = Q K^T and dP = dO V^T GEMMs."""
+        return warp_grid(self.tile_m, self.tile_n, self.num_warps, 2)
 
-def _round_up(x: int, to: int) -> int:
-    return -(-x // to) * to
 
-
+# Scan windows whose bitmaps are kept for the other heads of a group (Sq up to 64 * 31 blocks).
+CACHED_WINDOWS = 64
 # The swizzled P/dS stages sit at 1 KiB multiples so the swizzle pattern repeats per stage.
 _STAGE_ALIGN = 1024
 
@@ -173,6 +242,32 @@ def bwd_region_bytes(tile: BwdTile, elem_bytes: int, operand: SmemOperand | None
     return _round_up(size, _STAGE_ALIGN)
 
 
+def bwd_smem_buffers(
+    tile: BwdTile,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None,
+    bias: SmemOperand | None,
+) -> tuple[SmemBuffer, ...]:
+    """The shared memory of one backward CTA in allocation order: K, V (one tile each), Q, dO
+    (per stage), P over the mask tile and dS over the bias tile (per stage, see
+    bwd_region_bytes), the dbias column sums of each row of warps, the mask scan's per-warp
+    words and the scan bitmaps kept for the other heads of a group."""
+    kv_bytes = tile.tile_n * head_dim_padded * elem_bytes
+    q_bytes = tile.stages * tile.tile_m * head_dim_padded * elem_bytes
+    return (
+        SmemBuffer("k", kv_bytes, 1024),
+        SmemBuffer("v", kv_bytes, 1024),
+        SmemBuffer("q", q_bytes, 1024),
+        SmemBuffer("do", q_bytes, 1024),
+        SmemBuffer("p", tile.stages * bwd_region_bytes(tile, elem_bytes, mask), _STAGE_ALIGN),
+        SmemBuffer("ds", tile.stages * bwd_region_bytes(tile, elem_bytes, bias), _STAGE_ALIGN),
+        SmemBuffer("colsum", tile.sdp_grid[0] * tile.tile_n * 4, 16),
+        _scan_words(tile.num_warps),
+        SmemBuffer("scan_bits", 2 * CACHED_WINDOWS * 4, 4),
+    )
+
+
 def bwd_smem_bytes(
     tile: BwdTile,
     head_dim_padded: int,
@@ -180,14 +275,10 @@ def bwd_smem_bytes(
     mask: SmemOperand | None,
     bias: SmemOperand | None,
 ) -> int:
-    """Shared memory of one backward CTA, in bytes: K, V (one tile each), Q, dO (per stage),
-    P over the mask and dS over the bias (per stage), dbias column sums and scan words."""
-    total = 2 * tile.tile_n * head_dim_padded * elem_bytes
-    total += 2 * tile.stages * tile.tile_m * head_dim_padded * elem_bytes
-    total += tile.stages * bwd_region_bytes(tile, elem_bytes, mask)
-    total += tile.stages * bwd_region_bytes(tile, elem_bytes, bias)
-    total += tile.num_warps * tile.tile_n * 4  # per-warp dbias column sums
-    return total + 1024  # scan words and alignment slack
+    """Shared memory the tile search sets aside for one backward CTA, in bytes: its buffers
+    (bwd_smem_buffers) and a margin."""
+    buffers = bwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
+    return smem_total(buffers) + _BWD_MARGIN
 
 
 _BWD_CANDIDATES: dict[int, tuple[BwdTile, ...]] = {

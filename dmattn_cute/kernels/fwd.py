@@ -13,9 +13,9 @@ bias tiles of the next visible block are loaded by cp.async while the current on
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -23,47 +23,37 @@ from cutlass import cute
 from cutlass.cute.nvgpu import warp
 from cutlass.memory import SmemAllocator
 
+from ..jit.arch import compile_options
 from . import gemm, masking, operands, tiles
 from .config import (
     FwdTile,
-    SmemOperand,
-    fwd_smem_bytes,
+    SmemBuffer,
+    fwd_smem_buffers,
     fwd_tile,
     padded_head_dim,
+    smem_total,
 )
 from .masking import SCAN_BLOCKS, ScanState
 from .scores import Scores
 from .softmax import OnlineSoftmax
+from .spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from .utils import acc_as_a_operand, acc_mn_view
 
-DTYPES = {
-    "bf16": cutlass.BFloat16,
-    "fp16": cutlass.Float16,
-    "fp32": cutlass.Float32,
-    "u8": cutlass.Uint8,
-    "i32": cutlass.Int32,
-}
-LOG2E = math.log2(math.e)
 
+class FwdScalars(NamedTuple):
+    """The scalar arguments of FlashFwd.__call__, named and ordered as there (launch.
+    kernel_scalars builds them from a problem). The defaults are an offline compile's
+    placeholders: any value of the right type."""
 
-@dataclass(frozen=True)
-class OperandSpec:
-    """Compile-time facts of a mask or bias tensor (a 4-D [Bm, Hm, Qm, Km] view).
-
-    strides: per dim "0" (broadcast), "1" (unit) or "d" (any other stride, a runtime value).
-    vec: elements per load along the keys, the widest the strides and alignment allow.
-    """
-
-    dtype: str
-    strides: tuple[str, str, str, str]
-    vec: int
-
-    @property
-    def row_broadcast(self) -> bool:
-        return self.strides[2] == "0"
-
-    def smem(self) -> SmemOperand:
-        return SmemOperand(DTYPES[self.dtype].width // 8, self.row_broadcast)
+    scale_log2: float = 1.0
+    bias_scale: float = 1.0
+    softcap_scale: float = 0.0
+    softcap: float = 0.0
+    window_left: int = 0
+    window_right: int = 0
+    mask_head_div: int = 1
+    bias_head_div: int = 1
+    group: int = 1
 
 
 @dataclass(frozen=True)
@@ -94,20 +84,32 @@ class FwdSpec:
         fits the architecture's shared memory)."""
         dp = padded_head_dim(head_dim)
         smem = [None if op is None else op.smem() for op in (mask, bias)]
-        tile = fwd_tile(arch, dp, DTYPES[dtype].width // 8, *smem)
+        tile = fwd_tile(arch, dp, dtype_bytes(dtype), *smem)
         return FwdSpec(dtype, dp, head_dim == dp, tile, mask, bias, has_window, has_softcap)
 
-    def smem_bytes(self) -> int:
+    def smem_buffers(self) -> tuple[SmemBuffer, ...]:
+        """The kernel's shared-memory buffers in allocation order (config.fwd_smem_buffers)."""
         smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
-        return fwd_smem_bytes(self.tile, self.head_dim_padded, DTYPES[self.dtype].width // 8, *smem)
+        return fwd_smem_buffers(self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem)
+
+    def smem_bytes(self) -> int:
+        """Shared memory of one CTA, in bytes."""
+        return smem_total(self.smem_buffers())
+
+    def example_args(self) -> list:
+        """FlashFwd's arguments for an offline compile: fake gmem tensors with the stride
+        patterns and alignment the launch guarantees (fwd_launch.flash_fwd), placeholder
+        scalars."""
+        q, k, v, out = (fake_rows(self.dtype) for _ in range(4))
+        lse = fake_tensor("fp32", ("d", "d", "1"), 4)
+        stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
+        mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
+        return [q, k, v, out, lse, stats, mask, bias, *FwdScalars(), env_stream()]
 
     def compile(self, arch: str, extra_options: str = ""):
         """cute.compile of this variant for `arch` (no GPU needed)."""
-        from ..jit.arch import compile_options
-        from .fwd_launch import example_args
-
         return cute.compile(
-            FlashFwd(self), *example_args(self), options=compile_options(arch, extra_options)
+            FlashFwd(self), *self.example_args(), options=compile_options(arch, extra_options)
         )
 
 

@@ -1,0 +1,105 @@
+"""The torch side shared by every launch: the tensors a kernel reads, the compile-time facts of
+them (dtype names, stride patterns, vector alignment) that pick its variant, and its scalar
+arguments, named as the kernel names them.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+
+from ..problem import Problem
+from .spec import LOG2E, OperandSpec
+
+_DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.uint8: "u8",
+}
+
+Scalars = TypeVar("Scalars", bound=tuple)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name specs use for `dtype` (see spec.DTYPES)."""
+    return _DTYPE_NAMES[dtype]
+
+
+def stride_kinds(t: torch.Tensor) -> tuple[str, ...]:
+    """Per dim "0" (broadcast), "1" (unit) or "d" (any other stride), as OperandSpec's."""
+    return tuple("0" if s == 0 else "1" if s == 1 else "d" for s in t.stride())
+
+
+def operand_spec(t: torch.Tensor | None, seqlen_k: int) -> OperandSpec | None:
+    """Stride pattern and the widest aligned key-dim vector of a mask/bias kernel view
+    (operand_view); None for None."""
+    if t is None:
+        return None
+    strides = stride_kinds(t)
+    es = t.element_size()
+    vec = 1
+    if strides[3] == "1":
+        for width in (16, 8, 4, 2):
+            if width < es:
+                break
+            multiples = [t.data_ptr(), seqlen_k * es] + [s * es for s in t.stride()[:3]]
+            if all(x % width == 0 for x in multiples):
+                vec = width // es
+                break
+    return OperandSpec(dtype_name(t.dtype), strides, vec)
+
+
+def operand_view(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor a kernel reads for a 4-D mask/bias view (problem.broadcast_view): bool masks
+    as uint8; at most one unit-stride dim. None for None."""
+    if t is None:
+        return None
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    if sum(s == 1 for s in t.stride()) > 1:
+        t = t.contiguous()
+    return t
+
+
+def qkv_view(t: torch.Tensor) -> torch.Tensor:
+    """q/k/v/out as the kernels need them: 16-byte aligned rows (copied only when not)."""
+    aligned = t.data_ptr() % 16 == 0 and all(s != 0 and s % 8 == 0 for s in t.stride()[:3])
+    return t if aligned else t.contiguous()
+
+
+def kernel_scalars(
+    kind: type[Scalars],
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> Scalars:
+    """The scalar arguments of a kernel whose NamedTuple of them is `kind` (e.g. FwdScalars),
+    for `problem` with these mask/bias views; each field is taken by its name."""
+    scale = problem.softmax_scale
+    if problem.softcap > 0:
+        # Scores are capped before the bias is added: softmax runs on final scores.
+        scale_log2, bias_scale = LOG2E, 1.0
+        softcap_scale, softcap = scale / problem.softcap, problem.softcap
+    else:
+        scale_log2, bias_scale, softcap_scale, softcap = scale * LOG2E, 1.0 / scale, 0.0, 0.0
+    unbounded = problem.seqlen_q + problem.seqlen_k
+    left = problem.window_left if problem.window_left >= 0 else unbounded
+    right = problem.window_right if problem.window_right >= 0 else unbounded
+    if problem.is_causal:
+        right = min(right, 0)
+    heads = problem.num_heads
+    values = {
+        "scale_log2": scale_log2,
+        "bias_scale": bias_scale,
+        "softcap_scale": softcap_scale,
+        "softcap": softcap,
+        "softmax_scale": scale,
+        "window_left": left,
+        "window_right": right,
+        "mask_head_div": heads // (1 if mask is None else mask.shape[1]),
+        "bias_head_div": heads // (1 if bias is None else bias.shape[1]),
+        "group": heads // problem.num_heads_kv,
+    }
+    return kind(**{name: values[name] for name in kind._fields})
