@@ -31,7 +31,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import cute
 from cutlass.cute.nvgpu import warp
-from cutlass.memory import SmemAllocator
 
 from ..jit.arch import compile_options
 from . import gemm, masking, operands, tiles
@@ -339,27 +338,30 @@ class FlashBwd:
         )
 
         # ---- shared memory ----
-        smem = SmemAllocator()
-        sK = smem.allocate_tensor(self.dtype, sK_layout, 1024)
-        sV = smem.allocate_tensor(self.dtype, sK_layout, 1024)
-        sQ = smem.allocate_tensor(self.dtype, sQ_layout, 1024)
-        sdO = smem.allocate_tensor(self.dtype, sQ_layout, 1024)
-        region_p = smem.allocate_array(cutlass.Uint8, st * self.region_p, byte_alignment=1024)
-        region_ds = smem.allocate_array(cutlass.Uint8, st * self.region_ds, byte_alignment=1024)
-        sP = cute.make_tensor(cute.recast_ptr(region_p, dtype=self.dtype), sP_layout)
-        sdS = cute.make_tensor(cute.recast_ptr(region_ds, dtype=self.dtype), sdS_layout)
-        s_colsum = smem.allocate_tensor(
-            cutlass.Float32, cute.make_layout((self.sdp_grid[0], tn), stride=(tn, 1)), 16
+        smem = tiles.allocate_smem(spec.smem_buffers())
+        sK = tiles.smem_tensor(smem["k"], self.dtype, sK_layout)
+        sV = tiles.smem_tensor(smem["v"], self.dtype, sK_layout)
+        sQ = tiles.smem_tensor(smem["q"], self.dtype, sQ_layout)
+        sdO = tiles.smem_tensor(smem["do"], self.dtype, sQ_layout)
+        # P over the mask tiles, dS over the bias tiles (lifetimes: the module docstring)
+        sP = tiles.smem_tensor(smem["p"], self.dtype, sP_layout)
+        sdS = tiles.smem_tensor(smem["ds"], self.dtype, sdS_layout)
+        s_colsum = tiles.smem_tensor(
+            smem["colsum"],
+            cutlass.Float32,
+            cute.make_layout((self.sdp_grid[0], tn), stride=(tn, 1)),
         )
-        s_words = smem.allocate_tensor(
+        s_words = tiles.smem_tensor(
+            smem["scan_words"],
             cutlass.Int32,
             cute.make_layout((2, self.num_warps), stride=(self.num_warps, 1)),
-            4,
         )
         # Scan bitmaps (visible, all-True) of the first CACHED_WINDOWS windows, reused by the
         # other query heads of the group when they read the same mask head.
-        s_bits = smem.allocate_tensor(
-            cutlass.Int32, cute.make_layout((2, CACHED_WINDOWS), stride=(CACHED_WINDOWS, 1)), 4
+        s_bits = tiles.smem_tensor(
+            smem["scan_bits"],
+            cutlass.Int32,
+            cute.make_layout((2, CACHED_WINDOWS), stride=(CACHED_WINDOWS, 1)),
         )
 
         # ---- MMA operands (smem -> rmem by ldmatrix) ----
@@ -413,8 +415,8 @@ class FlashBwd:
         op_copies = {}
         views = {}
         for name, op, region, region_bytes in (
-            ("mask", spec.mask, region_p, self.region_p),
-            ("bias", spec.bias, region_ds, self.region_ds),
+            ("mask", spec.mask, smem["p"], self.region_p),
+            ("bias", spec.bias, smem["ds"], self.region_ds),
         ):
             if cutlass.const_expr(op is not None):
                 dtype = DTYPES[op.dtype]

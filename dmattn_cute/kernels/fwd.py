@@ -21,7 +21,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import cute
 from cutlass.cute.nvgpu import warp
-from cutlass.memory import SmemAllocator
 
 from ..jit.arch import compile_options
 from . import gemm, masking, operands, tiles
@@ -222,10 +221,10 @@ class FlashFwd:
         n_block_min, n_block_max = limits.key_block_range(m_block)
 
         # ---- shared memory ----
-        smem = SmemAllocator()
-        sQ = smem.allocate_tensor(self.dtype, sQ_layout, 1024)
-        sK = smem.allocate_tensor(self.dtype, sKV_layout, 1024)
-        sV = smem.allocate_tensor(self.dtype, sKV_layout, 1024)
+        smem = tiles.allocate_smem(spec.smem_buffers())
+        sQ = tiles.smem_tensor(smem["q"], self.dtype, sQ_layout)
+        sK = tiles.smem_tensor(smem["k"], self.dtype, sKV_layout)
+        sV = tiles.smem_tensor(smem["v"], self.dtype, sKV_layout)
         # V^T view for the P V GEMM: (D, N, stages)
         sVt = cute.composition(
             sV, cute.make_layout((dp, tn, self.kv_stages), stride=(tn, 1, tn * dp))
@@ -275,8 +274,9 @@ class FlashFwd:
             if cutlass.const_expr(op is not None):
                 dtype = DTYPES[op.dtype]
                 stride = operands.stage_elems(op, tm, tn, dtype)
-                base = smem.allocate_array(dtype, stride * self.kv_stages, byte_alignment=16)
-                sX, s_view = operands.smem_stages(base, dtype, op, tm, tn, self.kv_stages, stride)
+                sX, s_view = operands.smem_stages(
+                    smem[name], dtype, op, tm, tn, self.kv_stages, stride
+                )
                 gX, cX, row_end = operands.gmem_tiles(
                     op, mX, b, h // head_div, limits, m_block, None
                 )
@@ -310,8 +310,10 @@ class FlashFwd:
                 spec.mask, mMask, b, h // mask_head_div, limits, m_block, None,
                 loads["mask"].used, nthr, tidx,
             )  # fmt: skip
-            s_words = smem.allocate_tensor(
-                cutlass.Int32, cute.make_layout((2, nthr // 32), stride=(nthr // 32, 1)), 4
+            s_words = tiles.smem_tensor(
+                smem["scan_words"],
+                cutlass.Int32,
+                cute.make_layout((2, nthr // 32), stride=(nthr // 32, 1)),
             )
         state = cute.make_rmem_tensor(ScanState.SLOTS, cutlass.Int32)
         state[ScanState.VISIBLE] = -1

@@ -10,6 +10,25 @@ from __future__ import annotations
 import cutlass
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+
+
+def allocate_smem(buffers) -> dict:
+    """A kernel's shared memory, allocated once from its plan (config.*_smem_buffers: name,
+    bytes, alignment, in order): name -> (byte pointer, bytes)."""
+    smem = SmemAllocator()
+    return {
+        b.name: (smem.allocate_array(cutlass.Uint8, b.bytes, byte_alignment=b.align), b.bytes)
+        for b in buffers
+    }
+
+
+def smem_tensor(buffer, dtype, layout) -> cute.Tensor:
+    """`layout` of `dtype` elements over a planned buffer (allocate_smem), which must hold it."""
+    ptr, nbytes = buffer
+    needed = cute.cosize(layout) * dtype.width // 8
+    assert needed <= nbytes, f"smem layout needs {needed} bytes, its buffer has {nbytes}"
+    return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), layout)
 
 
 def qkv_smem_atom(head_dim_padded: int) -> cute.ComposedLayout:
