@@ -40,7 +40,8 @@ class Scores:
         needs no separate pass), or 0 (no bias, or softcap: the bias follows the cap)."""
         if cutlass.const_expr(self.has_bias and not self.has_softcap):
             acc_s.store(t_bias.load().to(cutlass.Float32))
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
+            # a loop the compiler unrolls: traced once, not once per element
+            for i in cutlass.range(cute.size(acc_s), unroll_full=True):
                 acc_s[i] = mul_rz(acc_s[i], self.bias_scale)
         else:
             acc_s.fill(0.0)
