@@ -421,9 +421,9 @@ class FlashBwd:
             if cutlass.const_expr(op is not None):
                 dtype = DTYPES[op.dtype]
                 stride = region_bytes // (dtype.width // 8)
-                sX, s_view = operands.smem_stages(region, dtype, op, tm, tn, st, stride)
-                rows = 1 if op.row_broadcast else tm
-                tcopy, used = tiles.operand_copy(dtype, rows, tn, op.vec, self.num_threads)
+                sX, s_view, tcopy, used = operands.smem_stages(
+                    region, dtype, op, tm, tn, st, stride, self.num_threads
+                )
                 op_copies[name] = SimpleNamespace(copy=tcopy, used=used, sX=sX)
                 views[name] = thr_sdp.partition_C(s_view)
 

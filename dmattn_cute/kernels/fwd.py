@@ -274,14 +274,12 @@ class FlashFwd:
             if cutlass.const_expr(op is not None):
                 dtype = DTYPES[op.dtype]
                 stride = operands.stage_elems(op, tm, tn, dtype)
-                sX, s_view = operands.smem_stages(
-                    smem[name], dtype, op, tm, tn, self.kv_stages, stride
+                sX, s_view, tcopy, used = operands.smem_stages(
+                    smem[name], dtype, op, tm, tn, self.kv_stages, stride, nthr
                 )
                 gX, cX, row_end = operands.gmem_tiles(
                     op, mX, b, h // head_div, limits, m_block, None
                 )
-                rows = 1 if op.row_broadcast else tm
-                tcopy, used = tiles.operand_copy(dtype, rows, tn, op.vec, nthr)
                 loads[name] = operands.OperandLoads.make(
                     op, tcopy, used, gX, cX, sX, row_end, seqlen_k, tidx, walk_queries=False
                 )

@@ -46,22 +46,23 @@ def gmem_tiles(op, mX: cute.Tensor, b, hx, limits, m_block, n_block, pack: int =
     return gX, cX, q_extent
 
 
-def smem_stages(buffer, dtype, op, tile_m: int, tile_n: int, stages: int, stride):
+def smem_stages(buffer, dtype, op, tile_m: int, tile_n: int, stages: int, stride, num_threads):
     """The operand's (rows, tile_n, stages) smem tiles in a planned buffer
-    (tiles.allocate_smem), stage s at s * stride elements, rows padded to tile_row_elems; and
-    the (tile_m, tile_n, stages) view of them in which score row i reads tile row i (row 0 of
-    a query-broadcast tile, stride 0)."""
+    (tiles.allocate_smem), stage s at s * stride elements, rows padded to tile_row_elems; the
+    (tile_m, tile_n, stages) view of them in which score row i reads tile row i (row 0 of a
+    query-broadcast tile, stride 0); and the tiled gmem -> smem copy of one tile with the
+    number of threads it uses. Returns (sX, s_view, copy, used)."""
     rows = 1 if op.row_broadcast else tile_m
     pitch = tile_row_elems(tile_n, dtype.width // 8)
     sX = tiles.smem_tensor(
         buffer, dtype, cute.make_layout((rows, tile_n, stages), stride=(pitch, 1, stride))
     )
-    ptr = sX.iterator
     row_stride = 0 if op.row_broadcast else pitch
     s_view = cute.make_tensor(
-        ptr, cute.make_layout((tile_m, tile_n, stages), stride=(row_stride, 1, stride))
+        sX.iterator, cute.make_layout((tile_m, tile_n, stages), stride=(row_stride, 1, stride))
     )
-    return sX, s_view
+    copy, used = tiles.operand_copy(dtype, rows, tile_n, op.vec, num_threads)
+    return sX, s_view, copy, used
 
 
 def stage_elems(op, tile_m: int, tile_n: int, dtype) -> int:
