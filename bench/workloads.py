@@ -4,7 +4,7 @@ Suites (bf16 unless said):
 - dense: no mask or bias, causal and not, D 64/128/256, S 1k..16k at 16k tokens per batch;
   fp16 at S=4k.
 - bias: a trainable bias [B, Hkv, 1, Sk] or [B, H, Sq, Sk] with its gradient, dense mask; bf16
-  and fp16.
+  and fp16; and the same shape with no bias and with the [B, Hkv, 1, Sk] bias alone.
 - sparse: bias [B, Hkv, 1, Sk] and a mask of density 1.0/0.5/0.25/0.1/0.05, either random
   blocks of 128 queries x 64 keys or the top-W keys of each query by the bias (flash-dmattn's
   dynamic mask, W = density * Sk), causal and not.
@@ -78,7 +78,12 @@ def dense_suite() -> list[Workload]:
 
 
 def bias_suite() -> list[Workload]:
-    return [
+    # the no-bias and bias-only runs price the bias itself on the same shape
+    baselines = [
+        Workload("bias", 2, 4096, 4096, 128),
+        Workload("bias", 2, 4096, 4096, 128, bias="key"),
+    ]
+    return baselines + [
         Workload("bias", 2, 4096, 4096, 128, dtype, bias=bias, mask="dense")
         for dtype in DTYPES
         for bias in ("key", "full")

@@ -201,6 +201,82 @@ def fwd_tile(
 
 
 # ---------------------------------------------------------------------------------------------
+# Hopper forward (sm_90a): warp-specialized, TMA + wgmma
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sm90FwdTile:
+    """Compile-time tiling of one Hopper forward CTA: a producer warpgroup and tile_m / 64
+    consumer warpgroups (64 query rows each), `stages` K/V/mask/bias stages."""
+
+    tile_m: int
+    tile_n: int
+    stages: int
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (1 + self.consumer_warpgroups)
+
+
+def sm90_fwd_smem_buffers(
+    tile: Sm90FwdTile,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None,
+    bias: SmemOperand | None,
+) -> tuple[SmemBuffer, ...]:
+    """The shared memory of one Hopper forward CTA in allocation order: the pipelines'
+    mbarriers (full + empty per stage: Q, K, V, mask/bias), Q (reused for O), K and V stages
+    (1024-byte aligned for the 128-byte swizzle of TMA and wgmma), mask and bias stages."""
+    kv_bytes = tile.stages * tile.tile_n * head_dim_padded * elem_bytes
+    barriers = 2 * (1 + 3 * tile.stages)
+    buffers = [
+        SmemBuffer("mbar", 8 * barriers, 8),
+        SmemBuffer("q", tile.tile_m * head_dim_padded * elem_bytes, 1024),
+        SmemBuffer("k", kv_bytes, 1024),
+        SmemBuffer("v", kv_bytes, 1024),
+    ]
+    for name, operand in (("mask", mask), ("bias", bias)):
+        if operand is not None:
+            rows = 1 if operand.row_broadcast else tile.tile_m
+            size = _operand_tiles_bytes(tile.tile_n, rows, tile.stages, operand)
+            buffers.append(SmemBuffer(name, size, 16))
+    return tuple(buffers)
+
+
+# Key-block width per padded head dim without mask/bias tiles (FlashAttention 3/4's Hopper
+# choices); with them the width drops by 16 until the stages fit.
+_SM90_FWD_TILE_N = {32: 128, 64: 128, 96: 128, 128: 128, 160: 112, 192: 112, 256: 80}
+
+
+def sm90_fwd_tile(
+    arch: str,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None,
+    bias: SmemOperand | None,
+) -> Sm90FwdTile:
+    """The Hopper forward tiling: 128 query rows, two stages, the widest key block that fits
+    (ValueError when none does)."""
+    tile_n = _SM90_FWD_TILE_N[head_dim_padded]
+    while tile_n >= 32:
+        tile = Sm90FwdTile(128, tile_n, 2)
+        buffers = sm90_fwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
+        if smem_total(buffers) <= smem_capacity(arch):
+            return tile
+        tile_n -= 16
+    raise ValueError(
+        f"Hopper forward tile: head_dim {head_dim_padded} with mask={mask} bias={bias} does "
+        f"not fit the shared memory of {arch}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------------
 

@@ -293,7 +293,7 @@ class FlashFwd:
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap,
         )  # fmt: skip
-        softmax = OnlineSoftmax(
+        softmax = OnlineSoftmax.create(
             cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None
         )
 

@@ -15,6 +15,8 @@ from ..jit.cache import compiled
 from ..problem import Problem
 from .fwd import FwdScalars, FwdSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view
+from .masking import FULL, VISIBLE
+from .sm90.fwd import Sm90FwdSpec
 
 
 def forward_spec_of(
@@ -27,9 +29,11 @@ def forward_spec_of(
 
 def fwd_spec(
     problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
-) -> FwdSpec:
-    """The forward variant for a problem (mask/bias: kernel views from launch.operand_view)."""
-    return FwdSpec.build(
+) -> FwdSpec | Sm90FwdSpec:
+    """The forward variant for a problem (mask/bias: kernel views from launch.operand_view):
+    the warp-specialized wgmma kernel on sm_90a, the mma.sync kernel elsewhere."""
+    family = Sm90FwdSpec if arch == "sm_90a" else FwdSpec
+    return family.build(
         arch,
         dtype_name(problem.dtype),
         problem.head_dim,
@@ -37,6 +41,37 @@ def fwd_spec(
         operand_spec(bias, problem.seqlen_k),
         problem.has_window,
         problem.softcap > 0,
+    )
+
+
+def mask_block_bits(
+    mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int
+) -> torch.Tensor:
+    """Per (batch, mask head, query block, key block) of a uint8 mask view: VISIBLE if the
+    tile has a True, | FULL if every element is True and the tile lies inside Sq x Sk; as a
+    [B, Hm, query blocks (1 for a query-broadcast mask), key blocks] view, stride 0 where the
+    mask broadcasts."""
+    base = mask[tuple(slice(0, 1) if s == 0 else slice(None) for s in mask.stride()[:2])]
+    rows = 1 if mask.stride(2) == 0 else seqlen_q
+    base = base[:, :, :rows].expand(base.shape[0], base.shape[1], rows, seqlen_k)
+    m_blocks, n_blocks = -(-rows // tile_m), -(-seqlen_k // tile_n)
+    padded = torch.zeros(
+        base.shape[0], base.shape[1], m_blocks * tile_m, n_blocks * tile_n,
+        dtype=torch.uint8, device=mask.device,
+    )  # fmt: skip
+    padded[:, :, :rows, :seqlen_k] = base
+    tiles = padded.view(base.shape[0], base.shape[1], m_blocks, tile_m, n_blocks, tile_n)
+    visible = tiles.amax(dim=(3, 5))
+    full = tiles.amin(dim=(3, 5))
+    if rows > 1 and rows % tile_m:
+        full[:, :, -1] = 0
+    if seqlen_k % tile_n:
+        full[:, :, :, -1] = 0
+    bits = visible * VISIBLE | full * FULL
+    # indexed like the mask: stride 0 on its broadcast (size-1) batch and head dims
+    strides = [0 if mask.shape[d] == 1 else bits.stride(d) for d in range(2)]
+    return bits.expand(mask.shape[0], mask.shape[1], m_blocks, n_blocks).as_strided(
+        (mask.shape[0], mask.shape[1], m_blocks, n_blocks), (*strides, *bits.stride()[2:])
     )
 
 
@@ -76,7 +111,15 @@ def flash_fwd(
     spec = fwd_spec(problem, mask, bias, arch)
     kernel = compiled(spec, arch)
     scalars = kernel_scalars(FwdScalars, problem, mask, bias)
-    kernel(q, k, v, out, lse, stats, mask, bias, *scalars)
+    if isinstance(spec, Sm90FwdSpec):
+        bits = None
+        if mask is not None:
+            bits = mask_block_bits(
+                mask, problem.seqlen_q, problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n
+            )
+        kernel(q, k, v, out, lse, stats, mask, bias, bits, *scalars)
+    else:
+        kernel(q, k, v, out, lse, stats, mask, bias, *scalars)
     return out, lse, stats
 
 

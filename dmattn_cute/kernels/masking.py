@@ -20,6 +20,10 @@ from .utils import acc_mn_view
 # shifts stay logical.
 SCAN_BLOCKS = 31
 
+# Bits of one (query block, key block) entry of the block-bits pre-pass.
+VISIBLE = 1  # the block's mask tile has a True element
+FULL = 2  # every element of the tile is True (and inside Sq x Sk): no mask tile needed
+
 
 class ScanState:
     """Slots of the Int32 register array a kernel's walk over blocks keeps between steps."""

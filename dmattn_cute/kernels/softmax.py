@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cutlass
 from cutlass import cute
@@ -12,6 +13,7 @@ from .utils import acc_mn_view, quad_allreduce_max, quad_allreduce_sum
 LN2 = math.log(2.0)
 
 
+@dataclass(frozen=True)
 class OnlineSoftmax:
     """Running row max and row sum of this thread's accumulator rows.
 
@@ -23,19 +25,32 @@ class OnlineSoftmax:
     max = -inf; its shift is taken as 0 so exp2(-inf) = 0 and nothing becomes NaN.
     """
 
-    def __init__(self, num_rows: int, scale_log2: cutlass.Float32, huge_scores: bool):
-        self.scale_log2 = scale_log2
-        self.huge_scores = huge_scores
-        self.row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        self.row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
-        self.row_max.fill(-cutlass.Float32.inf)
-        self.row_sum.fill(0.0)
+    scale_log2: cutlass.Float32
+    huge_scores: cutlass.Constexpr[bool]
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(num_rows: int, scale_log2: cutlass.Float32, huge_scores: bool) -> OnlineSoftmax:
+        """The state of `num_rows` rows before any key block: max -inf, sum 0."""
+        row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+        return OnlineSoftmax(scale_log2, huge_scores, row_max, row_sum)
 
     @cute.jit
     def update(self, acc_s: cute.Tensor, acc_o: cute.Tensor):
         """Turn scores of one key block into probabilities; rescale the output accumulator."""
+        self.rescale_output(acc_o, self.probabilities(acc_s))
+
+    @cute.jit
+    def probabilities(self, acc_s: cute.Tensor) -> cute.Tensor:
+        """Turn scores of one key block into probabilities in place; returns each row's
+        correction of the output accumulator (rescale_output), which a kernel may apply once
+        the GEMM still adding into it has finished."""
         s_mn = acc_mn_view(acc_s)
-        o_mn = acc_mn_view(acc_o)
+        correction = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = s_mn[r, None].load()
             block_max = quad_allreduce_max(
@@ -46,17 +61,24 @@ class OnlineSoftmax:
             base = 0.0 if new_max == -cutlass.Float32.inf else new_max
             if cutlass.const_expr(self.huge_scores):
                 probs = cute.math.exp2((row - base) * self.scale_log2, fastmath=True)
-                correction = cute.math.exp2((prev_max - base) * self.scale_log2, fastmath=True)
+                correction[r] = cute.math.exp2((prev_max - base) * self.scale_log2, fastmath=True)
             else:
                 shift = base * self.scale_log2
                 probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
-                correction = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
-            self.row_sum[r] = self.row_sum[r] * correction + probs.reduce(
+                correction[r] = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
+            self.row_sum[r] = self.row_sum[r] * correction[r] + probs.reduce(
                 cute.ReductionOp.ADD, cutlass.Float32.zero, 0
             )
             self.row_max[r] = new_max
-            o_mn[r, None] = o_mn[r, None].load() * correction
             s_mn[r, None] = probs
+        return correction
+
+    @cute.jit
+    def rescale_output(self, acc_o: cute.Tensor, correction: cute.Tensor):
+        """Scale each output row by its correction (probabilities)."""
+        o_mn = acc_mn_view(acc_o)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            o_mn[r, None] = o_mn[r, None].load() * correction[r]
 
     @cute.jit
     def finalize(self, acc_o: cute.Tensor, lse: cute.Tensor, row_log2sum: cute.Tensor):

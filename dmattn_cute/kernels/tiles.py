@@ -31,6 +31,15 @@ def smem_tensor(buffer, dtype, layout) -> cute.Tensor:
     return cute.make_tensor(cute.recast_ptr(ptr, dtype=dtype), layout)
 
 
+def swizzled_smem_tensor(buffer, dtype, layout: cute.ComposedLayout) -> cute.Tensor:
+    """A swizzled `layout` over a planned buffer with the swizzle moved into the pointer, as
+    wgmma and TMA partitions need it (the buffer must hold the layout)."""
+    ptr, nbytes = buffer
+    needed = cute.cosize(layout) * dtype.width // 8
+    assert needed <= nbytes, f"smem layout needs {needed} bytes, its buffer has {nbytes}"
+    return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=dtype), layout.outer)
+
+
 def qkv_smem_atom(head_dim_padded: int) -> cute.ComposedLayout:
     """Swizzled 8-row atom for 16-bit Q/K/V tiles: ldmatrix reads are bank-conflict free."""
     width = 64 if head_dim_padded % 64 == 0 else 32
@@ -70,7 +79,12 @@ def operand_copy(
         op = cute.nvgpu.CopyUniversalOp()
     atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
     per_row = tile_n // vec
-    used = min(num_threads, rows * per_row)
+    # Thread rows that tile the rows exactly: a power of two (a row of 24 vectors, tile_n 96
+    # in 4-element vectors, leaves 32 of 128 threads idle rather than reading past the tile).
+    thread_rows = 1
+    while thread_rows * 2 * per_row <= num_threads and rows % (thread_rows * 2) == 0:
+        thread_rows *= 2
+    used = thread_rows * per_row
     threads = cute.make_layout((used // per_row, per_row), stride=(per_row, 1))
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec))), used
 

@@ -9,15 +9,20 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
-    """View an mma.sync accumulator ((2, 2), MMA_M, MMA_N) as (rows, cols) of this thread.
+    """View an MMA accumulator as (rows, cols) of this thread: mma.sync's ((2, 2), MMA_M,
+    MMA_N) or wgmma's ((2, 2, N / 8), MMA_M, MMA_N).
 
-    In the m16n8 C fragment, mode 0 is (column pair, row half): rows are (mode0[1], MMA_M)
-    and columns (mode0[0], MMA_N).
+    Mode 0 is (column pair, row half[, n8 atom]): rows are (mode0[1], MMA_M) and columns
+    (mode0[0][, mode0[2]], MMA_N).
     """
     shape, stride = acc.layout.shape, acc.layout.stride
+    if cutlass.const_expr(cute.rank(shape[0]) == 3):
+        cols = ((shape[0][0], shape[0][2], shape[2]), (stride[0][0], stride[0][2], stride[2]))
+    else:
+        cols = ((shape[0][0], shape[2]), (stride[0][0], stride[2]))
     mn = cute.make_layout(
-        ((shape[0][1], shape[1]), (shape[0][0], shape[2])),
-        stride=((stride[0][1], stride[1]), (stride[0][0], stride[2])),
+        ((shape[0][1], shape[1]), cols[0]),
+        stride=((stride[0][1], stride[1]), cols[1]),
     )
     return cute.make_tensor(acc.iterator, mn)
 
@@ -32,6 +37,25 @@ def acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
     return cute.make_layout(
         ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
         stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
+    )
+
+
+def wgmma_acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
+    """Re-read a 16-bit wgmma accumulator layout ((2, 2, N / 8), MMA_M, MMA_N) as the register
+    A operand of a k16 wgmma: two neighbouring n8 atoms make one k16 atom,
+    ((2, 2, 2), MMA_M, (N / 16, MMA_N))."""
+    div = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        (
+            (div.shape[0][0], div.shape[0][1], div.shape[0][2][0]),
+            div.shape[1],
+            (div.shape[0][2][1], div.shape[2]),
+        ),
+        stride=(
+            (div.stride[0][0], div.stride[0][1], div.stride[0][2][0]),
+            div.stride[1],
+            (div.stride[0][2][1], div.stride[2]),
+        ),
     )
 
 
@@ -89,3 +113,33 @@ def mul_rz(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutl
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+@dsl_user_op
+def pack_f32x2(lo: cutlass.Float32, hi: cutlass.Float32, dtype, *, loc=None, ip=None):
+    """(lo, hi) rounded to nearest into one 32-bit word of two 16-bit floats (`dtype`), lo in
+    the low half: one cvt instead of two and a pack."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [
+                cutlass.Float32(lo).ir_value(loc=loc, ip=ip),
+                cutlass.Float32(hi).ir_value(loc=loc, ip=ip),
+            ],
+            f"cvt.rn.{kind}.f32 $0, $2, $1;",
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def round_pairs(src: cute.Tensor, dst: cute.Tensor):
+    """fp32 `src` rounded into the 16-bit `dst` of the same size, two elements per cvt: the
+    packed words are what a register-operand wgmma reads, so none is rebuilt next to it."""
+    words = cute.recast_tensor(dst, cutlass.Int32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = pack_f32x2(src[2 * i], src[2 * i + 1], dst.element_type)

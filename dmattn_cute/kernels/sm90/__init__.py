@@ -1,0 +1,1 @@
+"""Kernels for Hopper (sm_90a): TMA, wgmma, warp specialization."""

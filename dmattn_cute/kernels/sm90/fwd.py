@@ -1,0 +1,625 @@
+"""Hopper forward (sm_90a): warp-specialized wgmma kernel with bias-first scores, mask tiles and
+block skip.
+
+One CTA per (query block, head, batch), longest causal rows first. Three warpgroups:
+
+- the producer (warps 0-3, few registers): warp 0 loads Q once and K, V per visible key block
+  by TMA into `stages` smem stages; all four warps load the block's mask and bias tiles with
+  predicated cp.async (any view: broadcast dims, odd strides, key tails zero-filled), each
+  thread arriving on the stage's mbarrier when its copies land.
+- two consumers (64 query rows each): S = bias / scale + Q K^T by wgmma from smem, softcap /
+  mask / causal-window limits, the online softmax, O += P V by wgmma with P from registers.
+  The next block's Q K^T is issued before the previous block's P V (so the softmax of one
+  block runs under the GEMMs of its neighbours), and with head dims up to 128 the two
+  consumers take turns at the tensor cores (named barriers), one's softmax under the other's
+  GEMMs.
+- epilogue: O (rmem -> smem over sQ -> gmem by TMA store), lse and stats from registers.
+
+With a mask, the block-bits pre-pass (kernels/block_bits.py) says for every (query block, key
+block) whether the mask tile has a True (visible) and whether it is all True (full). Producer
+and consumers read the same bits and walk the same visible blocks, from the last to the first;
+a block that is not visible costs nothing, a full one loads no mask tile and masks nothing.
+
+Shared memory and the order that protects it:
+- mbar: full/empty mbarriers of the Q, K, V and mask/bias pipelines, initialized before the
+  CTA-wide barrier that precedes every other use.
+- sQ: written by TMA once (Q pipeline), read by every Q K^T wgmma; after the consumers'
+  epilogue barrier (each consumer passes it after its last wgmma has completed) it holds O for
+  the TMA store.
+- sK, sV, mask, bias stages: filled by the producer after the stage's empty barrier, read by
+  the consumers after its full barrier, released (empty barrier) once the wgmma reading K or
+  V has completed and, for mask/bias, once the scores have read them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as hopper
+from cutlass import cute, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from ...jit.arch import compile_options
+from .. import masking, operands, tiles
+from ..config import (
+    Sm90FwdTile,
+    SmemBuffer,
+    padded_head_dim,
+    sm90_fwd_smem_buffers,
+    sm90_fwd_tile,
+    smem_total,
+)
+from ..fwd import FwdScalars
+from ..masking import FULL, VISIBLE
+from ..scores import Scores
+from ..softmax import OnlineSoftmax
+from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
+from ..utils import acc_mn_view, round_pairs, wgmma_acc_as_a_operand
+
+# Named barriers (0 is the CTA-wide one).
+_EPILOGUE_BARRIER = 1  # the consumers, before O overwrites sQ and before its TMA store
+_TURN_BARRIER = 2  # 2 + w: consumer warpgroup w may issue its GEMMs
+# Registers per thread after the producer gives its share to the consumers (setmaxnreg).
+_PRODUCER_REGS = {False: 24, True: 40}  # key: the producer also copies mask/bias tiles
+_CONSUMER_REGS = {False: 240, True: 232}
+
+
+@dataclass(frozen=True)
+class Sm90FwdSpec:
+    """One Hopper forward kernel variant: the compile key, tiling and launch facts."""
+
+    dtype: str
+    head_dim_padded: int
+    tile: Sm90FwdTile
+    mask: OperandSpec | None
+    bias: OperandSpec | None
+    has_window: bool
+    has_softcap: bool
+
+    @staticmethod
+    @functools.cache  # called on every launch; the tile search is pure
+    def build(
+        arch: str,
+        dtype: str,
+        head_dim: int,
+        mask: OperandSpec | None,
+        bias: OperandSpec | None,
+        has_window: bool,
+        has_softcap: bool,
+    ) -> Sm90FwdSpec:
+        dp = padded_head_dim(head_dim)
+        smem = [None if op is None else op.smem() for op in (mask, bias)]
+        tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem)
+        return Sm90FwdSpec(dtype, dp, tile, mask, bias, has_window, has_softcap)
+
+    def smem_buffers(self) -> tuple[SmemBuffer, ...]:
+        smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
+        return sm90_fwd_smem_buffers(
+            self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem
+        )
+
+    def smem_bytes(self) -> int:
+        return smem_total(self.smem_buffers())
+
+    def example_args(self) -> list:
+        """FlashFwdSm90's arguments for an offline compile (as FwdSpec.example_args, plus the
+        block bits of a mask)."""
+        q, k, v, out = (fake_rows(self.dtype) for _ in range(4))
+        lse = fake_tensor("fp32", ("d", "d", "1"), 4)
+        stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
+        mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
+        bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
+        return [q, k, v, out, lse, stats, mask, bias, bits, *FwdScalars(), env_stream()]
+
+    def compile(self, arch: str, extra_options: str = ""):
+        return cute.compile(
+            FlashFwdSm90(self), *self.example_args(), options=compile_options(arch, extra_options)
+        )
+
+
+def wgmma_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """(rows, cols[, stages]) row-major tile in the widest swizzle its rows allow: what TMA
+    writes and wgmma reads (K-major for Q and K, N-major for V)."""
+    atom = warpgroup.make_smem_layout_atom(
+        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+@cute.jit
+def wgmma(
+    tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]
+):
+    """acc (+)= A B over the k-blocks of the fragments, issued as one wgmma group; waits until
+    at most `wait` groups are in flight (-1: no wait)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+class FlashFwdSm90:
+    """The Hopper forward kernel for one Sm90FwdSpec."""
+
+    def __init__(self, spec: Sm90FwdSpec):
+        self.spec = spec
+        self.dtype = DTYPES[spec.dtype]
+        self.tile_m = spec.tile.tile_m
+        self.tile_n = spec.tile.tile_n
+        self.stages = spec.tile.stages
+        self.head_dim_padded = spec.head_dim_padded
+        self.num_threads = spec.tile.num_threads
+        self.consumer_threads = self.num_threads - 128
+        self.has_tiles = spec.mask is not None or spec.bias is not None
+        # The score accumulator starts from the bias unless the bias follows the softcap.
+        self.bias_first = spec.bias is not None and not spec.has_softcap
+        self.take_turns = spec.head_dim_padded <= 128
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, Sq, H, D]
+        mK: cute.Tensor,  # [B, Sk, Hkv, D]
+        mV: cute.Tensor,  # [B, Sk, Hkv, D]
+        mO: cute.Tensor,  # [B, Sq, H, D]
+        mLSE: cute.Tensor,  # [B, H, Sq] fp32
+        mStats: cute.Tensor,  # [B, H, 2, Sq] fp32 (see fwd_launch.flash_fwd)
+        mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
+        mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
+        mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
+        scale_log2: cutlass.Float32,
+        bias_scale: cutlass.Float32,
+        softcap_scale: cutlass.Float32,
+        softcap: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        mask_head_div: cutlass.Int32,
+        bias_head_div: cutlass.Int32,
+        group: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
+        sQ_layout = wgmma_smem_layout(self.dtype, tm, dp)
+        sK_layout = wgmma_smem_layout(self.dtype, tn, dp, st)
+        sV_layout = wgmma_smem_layout(self.dtype, tn, dp, st)
+        wgs = (tm // 64, 1, 1)
+        tiled_mma_qk = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, atom_layout_mnk=wgs, tiler_mn=(64, tn),
+        )  # fmt: skip
+        tiled_mma_pv = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, atom_layout_mnk=wgs, tiler_mn=(64, dp),
+            a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+
+        # TMA views (S, D, heads, batch) of q/k/v/o: one box is a (rows, D) tile of one head.
+        def tma_view(t):
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(load, tma_view(mQ), sQ_layout, (tm, dp))
+        tma_k, tK = cpasync.make_tiled_tma_atom(
+            load, tma_view(mK), cute.select(sK_layout, mode=[0, 1]), (tn, dp), 1
+        )
+        tma_v, tV = cpasync.make_tiled_tma_atom(
+            load, tma_view(mV), cute.select(sV_layout, mode=[0, 1]), (tn, dp), 1
+        )
+        tma_o, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), tma_view(mO), sQ_layout, (tm, dp)
+        )
+        grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mQ.shape[0])
+        self.kernel(
+            tQ, tK, tV, tO, mQ.shape[1], mK.shape[1], mLSE, mStats, mMask, mBias, mBits,
+            tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
+            window_left, window_right, mask_head_div, bias_head_div, group,
+            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
+        ).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        tQ: cute.Tensor,
+        tK: cute.Tensor,
+        tV: cute.Tensor,
+        tO: cute.Tensor,
+        seqlen_q: cutlass.Int32,
+        seqlen_k: cutlass.Int32,
+        mLSE: cute.Tensor,
+        mStats: cute.Tensor,
+        mMask: cute.Tensor | None,
+        mBias: cute.Tensor | None,
+        mBits: cute.Tensor | None,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_o: cute.CopyAtom,
+        scale_log2: cutlass.Float32,
+        bias_scale: cutlass.Float32,
+        softcap_scale: cutlass.Float32,
+        softcap: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        mask_head_div: cutlass.Int32,
+        bias_head_div: cutlass.Int32,
+        group: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+    ):
+        spec = self.spec
+        tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+        m_blocks = cute.ceil_div(seqlen_q, tm)
+        m_rev, h, b = cute.arch.block_idx()
+        m_block = m_blocks - 1 - m_rev  # last query blocks first: under causal, the longest
+        limits = masking.BlockLimits(
+            seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
+        )
+        n_block_min, n_block_max = limits.key_block_range(m_block)
+        bits = None
+        if cutlass.const_expr(spec.mask is not None):
+            bits = mBits[b, h // mask_head_div, 0 if spec.mask.row_broadcast else m_block, None]
+
+        # ---- shared memory and pipelines ----
+        smem = tiles.allocate_smem(spec.smem_buffers())
+        sQ = tiles.swizzled_smem_tensor(smem["q"], self.dtype, sQ_layout)
+        sK = tiles.swizzled_smem_tensor(smem["k"], self.dtype, sK_layout)
+        sV = tiles.swizzled_smem_tensor(smem["v"], self.dtype, sV_layout)
+        mbar = cute.recast_ptr(smem["mbar"][0], dtype=cutlass.Int64)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.consumer_threads // 32
+        )
+        eb = dtype_bytes(spec.dtype)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar, num_stages=1, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=tm * dp * eb, defer_sync=True,
+        )  # fmt: skip
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar + 2, num_stages=st, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=tn * dp * eb, defer_sync=True,
+        )  # fmt: skip
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar + 2 + 2 * st, num_stages=st, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=tn * dp * eb, defer_sync=True,
+        )  # fmt: skip
+        pipe_tiles = None
+        if cutlass.const_expr(self.has_tiles):
+            pipe_tiles = pipeline.PipelineCpAsync.create(
+                barrier_storage=mbar + 2 + 4 * st, num_stages=st,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.consumer_threads
+                ),
+                defer_sync=True,
+            )  # fmt: skip
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()  # every mbarrier is initialized before any thread uses one
+
+        # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
+        tile_smem = {}
+        for name, op in (("mask", spec.mask), ("bias", spec.bias)):
+            if cutlass.const_expr(op is not None):
+                dtype = DTYPES[op.dtype]
+                stride = operands.stage_elems(op, tm, tn, dtype)
+                tile_smem[name] = operands.smem_stages(
+                    smem[name], dtype, op, tm, tn, st, stride, 128
+                )
+
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS[self.has_tiles])
+            self.produce(
+                tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
+                pipe_q, pipe_k, pipe_v, pipe_tiles, limits, m_block, n_block_min, n_block_max,
+                h, b, mask_head_div, bias_head_div, group, seqlen_k,
+            )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS[self.has_tiles])
+            self.consume(
+                tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, tma_o, pipe_q, pipe_k, pipe_v,
+                pipe_tiles, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block,
+                n_block_min, n_block_max, h, b, scale_log2, bias_scale, softcap_scale,
+                softcap,
+            )  # fmt: skip
+
+    @cute.jit
+    def prev_visible(self, bits: cute.Tensor | None, n_block, n_block_min):
+        """The last visible key block at or below n_block (below n_block_min: none left)."""
+        if cutlass.const_expr(bits is not None):
+            while (n_block >= n_block_min) & (
+                (cutlass.Int32(bits[cutlass.max(n_block, n_block_min)]) & VISIBLE) == 0
+            ):
+                n_block -= 1
+        return n_block
+
+    @cute.jit
+    def produce(
+        self, tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
+        pipe_q, pipe_k, pipe_v, pipe_tiles, limits, m_block, n_block_min, n_block_max, h, b,
+        mask_head_div, bias_head_div, group, seqlen_k,
+    ):  # fmt: skip
+        """The producer warpgroup: Q once, then K, V, mask and bias of every visible key block
+        from the last to the first, each into the next free stage."""
+        spec = self.spec
+        tm, tn, dp = self.tile_m, self.tile_n, self.head_dim_padded
+        tidx = cute.arch.thread_idx()[0]
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        hk = h // group
+        # gmem -> smem TMA partitions: one box per tile (stage index / key block last)
+        gQ = cute.local_tile(tQ[None, None, h, b], (tm, dp), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        gK = cute.local_tile(tK[None, None, hk, b], (tn, dp), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        gV = cute.local_tile(tV[None, None, hk, b], (tn, dp), (None, 0))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        # mask/bias: gmem -> smem cp.async partitions of the 128 producer threads
+        loads = {}
+        for name, op, mX, head_div in (
+            ("mask", spec.mask, mMask, mask_head_div),
+            ("bias", spec.bias, mBias, bias_head_div),
+        ):
+            if cutlass.const_expr(op is not None):
+                sX, _, tcopy, used = tile_smem[name]
+                gX, cX, row_end = operands.gmem_tiles(
+                    op, mX, b, h // head_div, limits, m_block, None
+                )
+                loads[name] = operands.OperandLoads.make(
+                    op, tcopy, used, gX, cX, sX, row_end, seqlen_k, tidx, walk_queries=False
+                )
+
+        if n_block_min < n_block_max:
+            if warp == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
+        while n_block >= n_block_min:
+            if warp == 0:
+                pipe_k.producer_acquire(state)
+                cute.copy(
+                    tma_k, tKgK[None, n_block], tKsK[None, state.index],
+                    tma_bar_ptr=pipe_k.producer_get_barrier(state),
+                )  # fmt: skip
+                pipe_v.producer_acquire(state)
+                cute.copy(
+                    tma_v, tVgV[None, n_block], tVsV[None, state.index],
+                    tma_bar_ptr=pipe_v.producer_get_barrier(state),
+                )  # fmt: skip
+            if cutlass.const_expr(self.has_tiles):
+                pipe_tiles.producer_acquire(state)
+                if cutlass.const_expr(spec.mask is not None):
+                    if (cutlass.Int32(bits[n_block]) & FULL) == 0:
+                        loads["mask"].load(n_block, state.index)
+                if cutlass.const_expr(spec.bias is not None):
+                    loads["bias"].load(n_block, state.index)
+                self.tiles_landed(pipe_tiles, state)
+            state.advance()
+            n_block = self.prev_visible(bits, n_block - 1, n_block_min)
+
+    @cute.jit
+    def tiles_landed(self, pipe_tiles, state):
+        """Arrive on the stage's full barrier once this thread's mask/bias copies have landed.
+        A copy narrower than 4 bytes is a plain load + store: the thread then waits for its
+        cp.async copies and arrives with release semantics, which publishes both."""
+        narrow = False
+        for op in (self.spec.mask, self.spec.bias):
+            if cutlass.const_expr(op is not None):
+                narrow = narrow or op.vec * dtype_bytes(op.dtype) < 4
+        if cutlass.const_expr(narrow):
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.mbarrier_arrive(pipe_tiles.producer_get_barrier(state))
+        else:
+            pipe_tiles.producer_commit(state)
+
+    @cute.jit
+    def consume(
+        self, tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, tma_o, pipe_q, pipe_k, pipe_v,
+        pipe_tiles, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block, n_block_min,
+        n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap,
+    ):  # fmt: skip
+        """A consumer warpgroup: its 64 rows of the query block against every visible key
+        block, then the epilogue."""
+        spec = self.spec
+        tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        seqlen_q, seqlen_k = limits.seqlen_q, limits.seqlen_k
+
+        # ---- wgmma operands: smem descriptors of Q, K, V^T; register accumulators ----
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        sVt = cute.composition(sV, cute.make_ordered_layout((dp, tn, st), order=(1, 0, 2)))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((tm, dp)), cutlass.Float32)
+        acc_O.fill(0.0)
+        s_shape = wg_qk.partition_shape_C((tm, tn))
+        rP = cute.make_rmem_tensor(s_shape, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a_operand(rP.layout))
+        # (row, col) of every score this thread holds, per key block
+        tScS = thr_qk.partition_C(
+            cute.local_tile(
+                cute.make_identity_tensor((seqlen_q, seqlen_k)), (tm, tn), (m_block, None)
+            )
+        )
+        views = {name: thr_qk.partition_C(tile_smem[name][1]) for name in tile_smem}
+        scores = Scores(
+            spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
+            softcap_scale, softcap,
+        )  # fmt: skip
+        softmax = OnlineSoftmax.create(
+            cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None
+        )
+        if cutlass.const_expr(self.take_turns):
+            if wg == 0:  # the first consumer takes the first turn
+                cute.arch.barrier_arrive(
+                    barrier_id=_TURN_BARRIER, number_of_threads=self.consumer_threads
+                )
+
+        if n_block_min < n_block_max:
+            pipe_q.consumer_wait(
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            )
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
+        n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
+        if n_block >= n_block_min:
+            # First block: S, its softmax, P (no P V yet: it waits for the next block's S).
+            acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+            self.start_scores(scores, acc_S, views, pipe_tiles, state)
+            pipe_k.consumer_wait(state)
+            wgmma(
+                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], self.bias_first, 0
+            )
+            pipe_k.consumer_release(state)
+            self.finish_scores(
+                scores, acc_S, views, pipe_tiles, state, bits, limits, tScS, m_block, n_block
+            )
+            softmax.probabilities(acc_S)  # O is still 0: nothing to rescale
+            round_pairs(acc_S, rP)
+            n_block = self.prev_visible(bits, n_block - 1, n_block_min)
+            while n_block >= n_block_min:
+                prev = state.clone()
+                state.advance()
+                acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
+                self.start_scores(scores, acc_S, views, pipe_tiles, state)
+                pipe_k.consumer_wait(state)
+                self.turn_wait(wg)
+                wgmma(
+                    tiled_mma_qk,
+                    acc_S,
+                    tSrQ,
+                    tSrK[None, None, None, state.index],
+                    self.bias_first,
+                    -1,
+                )
+                pipe_v.consumer_wait(prev)
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], True, -1)
+                self.turn_pass(wg)
+                warpgroup.wait_group(1)  # S of this block is complete
+                pipe_k.consumer_release(state)
+                self.finish_scores(
+                    scores, acc_S, views, pipe_tiles, state, bits, limits, tScS, m_block, n_block
+                )
+                correction = softmax.probabilities(acc_S)
+                warpgroup.wait_group(0)  # P V of the previous block is complete: P, V are free
+                pipe_v.consumer_release(prev)
+                softmax.rescale_output(acc_O, correction)
+                round_pairs(acc_S, rP)
+                n_block = self.prev_visible(bits, n_block - 1, n_block_min)
+            # Last block's P V.
+            pipe_v.consumer_wait(state)
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], True, 0)
+            pipe_v.consumer_release(state)
+
+        # ---- epilogue: normalize; LSE and stats (rmem -> gmem); O (rmem -> smem -> gmem) ----
+        lse = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
+        log2sum = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
+        softmax.finalize(acc_O, lse, log2sum)
+        coord_mn = acc_mn_view(tScS[None, None, None, 0])
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = coord_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[b, h, row] = lse[r]
+                    row_max = softmax.row_max[r]
+                    if cutlass.const_expr(spec.bias is None):
+                        # without a bias max and sum fold into one shift (fwd.py)
+                        mStats[b, h, 0, row] = 0.0
+                        mStats[b, h, 1, row] = (
+                            log2sum[r]
+                            if row_max == -cutlass.Float32.inf
+                            else row_max * scale_log2 + log2sum[r]
+                        )
+                    else:
+                        mStats[b, h, 0, row] = 0.0 if row_max == -cutlass.Float32.inf else row_max
+                        mStats[b, h, 1, row] = log2sum[r]
+
+        sO = sQ  # the same swizzled tile
+        # Both consumers' wgmmas that read sQ have completed.
+        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
+        r2s = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        tiles.acc_to_smem(acc_O, self.dtype, r2s, tiled_mma_pv, tidx, sO)
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes, read by the TMA store
+        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
+        if tidx < 32:
+            gO = cute.local_tile(tO[None, None, h, b], (tm, dp), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )  # fmt: skip
+            cute.copy(tma_o, tOsO, tOgO)  # rows past Sq and columns past D are not stored
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO is read before the CTA exits
+
+    @cute.jit
+    def start_scores(self, scores, acc_S, views, pipe_tiles, state):
+        """acc_S before Q K^T: bias / scale once the stage's tiles have landed (bias first),
+        else left for the GEMM to overwrite."""
+        if cutlass.const_expr(self.has_tiles):
+            pipe_tiles.consumer_wait(state)
+        if cutlass.const_expr(self.bias_first):
+            scores.start(acc_S, views["bias"][None, None, None, state.index])
+
+    @cute.jit
+    def finish_scores(
+        self, scores, acc_S, views, pipe_tiles, state, bits, limits, tScS, m_block, n_block
+    ):
+        """acc_S after Q K^T: softcap, the bias after it, the mask tile (unless full), the
+        causal/window/length limits; then the stage's mask/bias tiles are released."""
+        spec = self.spec
+        t_bias = t_mask = None
+        if cutlass.const_expr(spec.bias is not None):
+            t_bias = views["bias"][None, None, None, state.index]
+        full = cutlass.Int32(0)
+        if cutlass.const_expr(spec.mask is not None):
+            t_mask = views["mask"][None, None, None, state.index]
+            full = cutlass.Int32(bits[n_block]) & FULL
+        scores.finish(acc_S, t_bias, t_mask, full)
+        if cutlass.const_expr(self.has_tiles):
+            pipe_tiles.consumer_release(state)
+        limits.apply(acc_S, tScS[None, None, None, n_block], m_block, n_block)
+
+    @cute.jit
+    def turn_wait(self, wg):
+        """Wait for this consumer's turn at the tensor cores."""
+        if cutlass.const_expr(self.take_turns):
+            cute.arch.barrier(
+                barrier_id=_TURN_BARRIER + wg, number_of_threads=self.consumer_threads
+            )
+
+    @cute.jit
+    def turn_pass(self, wg):
+        """Hand the tensor cores to the other consumer (its GEMMs were issued)."""
+        if cutlass.const_expr(self.take_turns):
+            cute.arch.barrier_arrive(
+                barrier_id=_TURN_BARRIER + 1 - wg, number_of_threads=self.consumer_threads
+            )
