@@ -261,11 +261,13 @@ def sm90_fwd_tile(
     mask: SmemOperand | None,
     bias: SmemOperand | None,
 ) -> Sm90FwdTile:
-    """The Hopper forward tiling: 128 query rows, two stages, the widest key block that fits
-    (ValueError when none does)."""
+    """The Hopper forward tiling: 192 query rows up to head dim 64, else 128; two stages; the
+    widest key block that fits (ValueError when none does)."""
     tile_n = _SM90_FWD_TILE_N[head_dim_padded]
+    # three consumers for small head dims: their accumulators leave registers to spare
+    tile_m = 192 if head_dim_padded <= 64 else 128
     while tile_n >= 32:
-        tile = Sm90FwdTile(128, tile_n, 2)
+        tile = Sm90FwdTile(tile_m, tile_n, 2)
         buffers = sm90_fwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
         if smem_total(buffers) <= smem_capacity(arch):
             return tile

@@ -63,9 +63,14 @@ from ..utils import acc_mn_view, round_pairs, wgmma_acc_as_a_operand
 # Named barriers (0 is the CTA-wide one).
 _EPILOGUE_BARRIER = 1  # the consumers, before O overwrites sQ and before its TMA store
 _TURN_BARRIER = 2  # 2 + w: consumer warpgroup w may issue its GEMMs
-# Registers per thread after the producer gives its share to the consumers (setmaxnreg).
-_PRODUCER_REGS = {False: 24, True: 40}  # key: the producer also copies mask/bias tiles
-_CONSUMER_REGS = {False: 240, True: 232}
+# Registers per thread (producer, consumer) after the producer gives its share to the
+# consumers (setmaxnreg), by (consumer warpgroups, the producer also copies mask/bias tiles).
+_REGISTERS = {
+    (2, False): (24, 240),
+    (2, True): (40, 232),
+    (3, False): (32, 160),
+    (3, True): (40, 152),
+}
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,8 @@ class FlashFwdSm90:
         # The score accumulator starts from the bias unless the bias follows the softcap.
         self.bias_first = spec.bias is not None and not spec.has_softcap
         self.take_turns = spec.head_dim_padded <= 128
+        self.consumer_wgs = spec.tile.consumer_warpgroups
+        self.registers = _REGISTERS[(self.consumer_wgs, self.has_tiles)]
 
     @cute.jit
     def __call__(
@@ -307,9 +314,7 @@ class FlashFwdSm90:
             pipe_tiles = pipeline.PipelineCpAsync.create(
                 barrier_storage=mbar + 2 + 4 * st, num_stages=st,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.consumer_threads
-                ),
+                consumer_group=consumer_warps,
                 defer_sync=True,
             )  # fmt: skip
         cute.arch.mbarrier_init_fence()
@@ -326,14 +331,14 @@ class FlashFwdSm90:
                 )
 
         if warp < 4:
-            cute.arch.setmaxregister_decrease(_PRODUCER_REGS[self.has_tiles])
+            cute.arch.setmaxregister_decrease(self.registers[0])
             self.produce(
                 tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
                 pipe_q, pipe_k, pipe_v, pipe_tiles, limits, m_block, n_block_min, n_block_max,
                 h, b, mask_head_div, bias_head_div, group, seqlen_k,
             )  # fmt: skip
         else:
-            cute.arch.setmaxregister_increase(_CONSUMER_REGS[self.has_tiles])
+            cute.arch.setmaxregister_increase(self.registers[1])
             self.consume(
                 tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, tma_o, pipe_q, pipe_k, pipe_v,
                 pipe_tiles, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block,
@@ -481,9 +486,7 @@ class FlashFwdSm90:
         )
         if cutlass.const_expr(self.take_turns):
             if wg == 0:  # the first consumer takes the first turn
-                cute.arch.barrier_arrive(
-                    barrier_id=_TURN_BARRIER, number_of_threads=self.consumer_threads
-                )
+                cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER, number_of_threads=256)
 
         if n_block_min < n_block_max:
             pipe_q.consumer_wait(
@@ -605,21 +608,23 @@ class FlashFwdSm90:
             full = cutlass.Int32(bits[n_block]) & FULL
         scores.finish(acc_S, t_bias, t_mask, full)
         if cutlass.const_expr(self.has_tiles):
-            pipe_tiles.consumer_release(state)
+            # one arrive per warp, once all its lanes have read the tiles
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(pipe_tiles.sync_object_empty.get_barrier(state.index))
         limits.apply(acc_S, tScS[None, None, None, n_block], m_block, n_block)
 
     @cute.jit
     def turn_wait(self, wg):
         """Wait for this consumer's turn at the tensor cores."""
         if cutlass.const_expr(self.take_turns):
-            cute.arch.barrier(
-                barrier_id=_TURN_BARRIER + wg, number_of_threads=self.consumer_threads
-            )
+            # 256: this consumer's sync and the previous consumer's arrive
+            cute.arch.barrier(barrier_id=_TURN_BARRIER + wg, number_of_threads=256)
 
     @cute.jit
     def turn_pass(self, wg):
-        """Hand the tensor cores to the other consumer (its GEMMs were issued)."""
+        """Hand the tensor cores to the next consumer (this one's GEMMs were issued)."""
         if cutlass.const_expr(self.take_turns):
             cute.arch.barrier_arrive(
-                barrier_id=_TURN_BARRIER + 1 - wg, number_of_threads=self.consumer_threads
+                barrier_id=_TURN_BARRIER + (wg + 1) % self.consumer_wgs, number_of_threads=256
             )
