@@ -20,6 +20,10 @@ from .utils import acc_mn_view
 # shifts stay logical.
 SCAN_BLOCKS = 31
 
+# Bits of one (query block, key block) entry of the block-bits pre-pass.
+VISIBLE = 1  # the block's mask tile has a True element
+FULL = 2  # every element of the tile is True (and inside Sq x Sk): no mask tile needed
+
 
 class ScanState:
     """Slots of the Int32 register array a kernel's walk over blocks keeps between steps."""
@@ -124,9 +128,14 @@ def tile_any_all(frag: cute.Tensor, words: cutlass.Constexpr):
     if cutlass.const_expr(words):
         acc_or = cutlass.Int32(0)
         acc_and = cutlass.Int32(-1)
-        for i in cutlass.range_constexpr(cute.size(frag)):
-            acc_or = acc_or | frag[i]
-            acc_and = acc_and & frag[i]
+        if cutlass.const_expr(cute.size(frag) < tiles.COMPILER_UNROLLED_VECTORS):
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                acc_or = acc_or | frag[i]
+                acc_and = acc_and & frag[i]
+        else:
+            for i in cutlass.range(cute.size(frag), unroll_full=True):
+                acc_or = acc_or | frag[i]
+                acc_and = acc_and & frag[i]
         return acc_or != 0, acc_and == 0x01010101
     else:
         total = frag.load().to(cutlass.Int32).reduce(cute.ReductionOp.ADD, 0, 0)
