@@ -8,8 +8,10 @@ import pytest
 
 from dmattn_cute.jit import SUPPORTED_ARCHS
 from dmattn_cute.jit.arch import smem_capacity
+from dmattn_cute.kernels.block_bits import BlockBitsSpec
 from dmattn_cute.kernels.bwd import BwdSpec, DbiasSpec
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
+from dmattn_cute.kernels.config import smem_total
 from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
 
 pytestmark = [
@@ -207,3 +209,36 @@ def test_bwd_variants_compile(target, mask, bias, dbias, window, softcap, det, f
     ptx = check_bwd_ptx(target, spec)
     if det:  # the dq turn counters are read with acquire and written with release semantics
         assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx
+
+
+# (mask, tile_m, tile_n, a regex of its loads in the PTX): 16-byte rows, a query-broadcast row
+# (16 tiles per CTA), 4-byte words of a tile whose rows take 11 vectors, byte loads of a
+# key-broadcast mask, and byte loads of tiles read by two warps each (their ballots meet in
+# shared memory).
+BITS_CASES = [
+    pytest.param(FULL_MASK, 128, 128, r"v4\.b32", id="full-v16"),
+    pytest.param(OperandSpec("u8", ("d", "d", "0", "1"), 16), 64, 128, r"v4\.b32",
+                 id="rowbcast-v16"),
+    pytest.param(OperandSpec("u8", ("0", "d", "d", "1"), 4), 128, 176, r"b32",
+                 id="tile176-v4"),
+    pytest.param(KEY_BCAST_MASK, 128, 80, r"[bsu]8", id="keybcast-v1"),
+    pytest.param(OperandSpec("u8", ("d", "d", "0", "1"), 1), 64, 64, r"[bsu]8",
+                 id="rowbcast-v1-two-warps"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mask", "tile_m", "tile_n", "load"), BITS_CASES)
+@pytest.mark.parametrize("target", ["sm_80", "sm_90a"])
+def test_block_bits_compile(target: str, mask: OperandSpec, tile_m: int, tile_n: int, load: str):
+    spec = BlockBitsSpec(mask, tile_m, tile_n)
+    with tempfile.TemporaryDirectory() as dump_dir:
+        kernel = spec.compile(target, f"--keep-ptx --dump-dir {dump_dir}")
+    ptx = kernel.artifacts.PTX
+    assert launch_smem_bytes(kernel) == smem_total(spec.smem_buffers())
+    assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == [target]
+    # the mask is read in the widest vectors its alignment allows, nothing else is loaded
+    loads = re.findall(r"\bld\.global\.(\S+)", ptx)
+    assert loads and all(re.fullmatch(load, width) for width in loads), loads
+    # one byte per tile, its group combined by ballots
+    assert re.findall(r"\bst\.global\.\S+", ptx) == ["st.global.b8"]
+    assert "vote.sync.ballot.b32" in ptx

@@ -128,9 +128,14 @@ def tile_any_all(frag: cute.Tensor, words: cutlass.Constexpr):
     if cutlass.const_expr(words):
         acc_or = cutlass.Int32(0)
         acc_and = cutlass.Int32(-1)
-        for i in cutlass.range_constexpr(cute.size(frag)):
-            acc_or = acc_or | frag[i]
-            acc_and = acc_and & frag[i]
+        if cutlass.const_expr(cute.size(frag) < tiles.COMPILER_UNROLLED_VECTORS):
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                acc_or = acc_or | frag[i]
+                acc_and = acc_and & frag[i]
+        else:
+            for i in cutlass.range(cute.size(frag), unroll_full=True):
+                acc_or = acc_or | frag[i]
+                acc_and = acc_and & frag[i]
         return acc_or != 0, acc_and == 0x01010101
     else:
         total = frag.load().to(cutlass.Int32).reduce(cute.ReductionOp.ADD, 0, 0)

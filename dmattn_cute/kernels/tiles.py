@@ -63,10 +63,20 @@ def qkv_copy(dtype, head_dim_padded: int, num_threads: int, store: bool = False)
     return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec)))
 
 
+def copy_threads(rows: int, per_row: int, num_threads: int) -> tuple[int, int]:
+    """(thread rows, threads per row) that copy a tile of `rows` rows of `per_row` vectors,
+    each thread an equal whole share: as many threads along a row as divide it (at most
+    num_threads; the whole row when it fits, for coalesced rows), then as many rows as divide
+    the tile. For power-of-two sizes this is (min(rows, num_threads // per_row), per_row)."""
+    cols = max(d for d in range(1, min(per_row, num_threads) + 1) if per_row % d == 0)
+    return max(d for d in range(1, min(rows, num_threads // cols) + 1) if rows % d == 0), cols
+
+
 def operand_copy(
     dtype, rows: int, tile_n: int, vec: int, num_threads: int, to_registers: bool = False
 ):
-    """Copy of a (rows, tile_n) mask or bias tile in `vec`-element vectors.
+    """Copy of a (rows, tile_n) mask or bias tile in `vec`-element vectors, by the threads of
+    copy_threads.
 
     cp.async moves 4, 8 or 16 bytes to shared memory; narrower vectors (rows whose stride or
     length allows no wider aligned access) and copies into registers use plain loads.
@@ -78,15 +88,10 @@ def operand_copy(
     else:
         op = cute.nvgpu.CopyUniversalOp()
     atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
-    per_row = tile_n // vec
-    # Thread rows that tile the rows exactly: a power of two (a row of 24 vectors, tile_n 96
-    # in 4-element vectors, leaves 32 of 128 threads idle rather than reading past the tile).
-    thread_rows = 1
-    while thread_rows * 2 * per_row <= num_threads and rows % (thread_rows * 2) == 0:
-        thread_rows *= 2
-    used = thread_rows * per_row
-    threads = cute.make_layout((used // per_row, per_row), stride=(per_row, 1))
-    return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec))), used
+    thread_rows, per_row = copy_threads(rows, tile_n // vec, num_threads)
+    threads = cute.make_layout((thread_rows, per_row), stride=(per_row, 1))
+    copy = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, vec)))
+    return copy, thread_rows * per_row
 
 
 # A thread's share of this many vectors or more is walked by a loop the compiler unrolls, not

@@ -1,0 +1,197 @@
+"""Mask block bits: one byte per (query block, key block) tile of the boolean mask, from one
+bandwidth-bound pass over it, so that the kernels walking its tiles (and every head of a GQA
+group, every batch of a broadcast mask) read a byte per tile instead of the tile.
+
+bits[bm, hm, m_block, n_block] (uint8 [Bm', Hm', n_m_blocks, n_n_blocks]; Bm', Hm' are 1 on
+the mask's stride-0 dims): masking.VISIBLE when the tile has a True element inside
+[0, Sq) x [0, Sk), plus masking.FULL when every element of the tile is True and the tile lies
+wholly inside (tail tiles are never FULL), as masking.scan_mask_blocks decides both. A
+query-broadcast mask (Qm = 1) has one row of (1, tile_n) tiles, n_m_blocks = 1: its bits hold
+for every query block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import cute
+
+from ..jit.arch import compile_options
+from . import masking, operands, tiles
+from .config import SmemBuffer
+from .spec import OperandSpec, env_stream, fake_tensor
+
+NUM_THREADS = 128
+_NUM_WARPS = NUM_THREADS // 32
+# Tile sizes the pre-pass takes: those of the attention kernels (MMA granularity), so a vector
+# of up to 16 mask bytes never straddles two tiles.
+TILE_MULTIPLE = 16
+MAX_TILE = 256
+
+
+@dataclass(frozen=True)
+class BlockBitsSpec:
+    """One block-bits kernel variant (the compile-cache key): the mask's stride pattern and
+    vector width, and the tile it summarizes (tile_m query rows by tile_n keys)."""
+
+    mask: OperandSpec
+    tile_m: int
+    tile_n: int
+
+    def __post_init__(self) -> None:
+        if self.mask.dtype != "u8":
+            raise ValueError(f"mask: expected the uint8 view of a bool mask, got {self.mask.dtype}")
+        for name, size in (("tile_m", self.tile_m), ("tile_n", self.tile_n)):
+            if size % TILE_MULTIPLE != 0 or not 0 < size <= MAX_TILE:
+                raise ValueError(
+                    f"{name}: expected a multiple of {TILE_MULTIPLE} in [{TILE_MULTIPLE}, "
+                    f"{MAX_TILE}], got {size}"
+                )
+
+    @property
+    def threads_per_tile(self) -> int:
+        """Threads that read one tile (tiles.copy_threads of its vectors)."""
+        rows = 1 if self.mask.row_broadcast else self.tile_m
+        thread_rows, per_row = tiles.copy_threads(rows, self.tile_n // self.mask.vec, NUM_THREADS)
+        return thread_rows * per_row
+
+    @property
+    def tiles_per_cta(self) -> int:
+        """Key blocks one CTA summarizes: its threads split into groups of threads_per_tile,
+        when that is a power of two (a group is then lanes of one warp, or whole warps)."""
+        used = self.threads_per_tile
+        return NUM_THREADS // used if used & (used - 1) == 0 else 1
+
+    def smem_buffers(self) -> tuple[SmemBuffer, ...]:
+        """The per-warp ballots of a tile read by more than one warp (none otherwise)."""
+        if self.threads_per_tile <= 32:
+            return ()
+        return (SmemBuffer("warp_ballots", 2 * _NUM_WARPS * 4, 4),)
+
+    def example_args(self) -> list:
+        """BlockBits's arguments for an offline compile: the mask as launch.operand_spec found
+        it, the contiguous bits, placeholder lengths and the stream."""
+        bits = fake_tensor("u8", ("d", "d", "d", "1"), 1)
+        return [self.mask.fake(), bits, 1, 1, env_stream()]
+
+    def compile(self, arch: str, extra_options: str = ""):
+        """cute.compile of this variant for `arch` (no GPU needed)."""
+        return cute.compile(
+            BlockBits(self), *self.example_args(), options=compile_options(arch, extra_options)
+        )
+
+
+class BlockBits:
+    """One CTA per (tiles_per_cta key blocks, query block, mask batch x head): each group of
+    threads_per_tile threads loads its tile once (gmem -> rmem, predicated vectors of up to 16
+    bytes as 32-bit words, the partition of the forward's mask scan), ORs and ANDs it per
+    thread, combines the group by warp ballots and writes one byte (rmem -> gmem)."""
+
+    def __init__(self, spec: BlockBitsSpec) -> None:
+        self.spec = spec
+
+    @cute.jit
+    def __call__(
+        self,
+        mMask: cute.Tensor,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
+        mBits: cute.Tensor,  # [Bm', Hm', n_m_blocks, n_n_blocks] uint8
+        seqlen_q: cutlass.Int32,
+        seqlen_k: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        grid = (
+            cute.ceil_div(mBits.shape[3], self.spec.tiles_per_cta),
+            mBits.shape[2],
+            mBits.shape[0] * mBits.shape[1],
+        )
+        self.kernel(mMask, mBits, seqlen_q, seqlen_k).launch(
+            grid=grid, block=[NUM_THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mMask: cute.Tensor,
+        mBits: cute.Tensor,
+        seqlen_q: cutlass.Int32,
+        seqlen_k: cutlass.Int32,
+    ):
+        spec = self.spec
+        used, per_cta = spec.threads_per_tile, spec.tiles_per_cta
+        tidx, _, _ = cute.arch.thread_idx()
+        n_group, m_block, bh = cute.arch.block_idx()
+        b, h = bh // mBits.shape[1], bh % mBits.shape[1]
+        slot = tidx // used
+        n_block = n_group * per_cta + slot
+        limits = masking.BlockLimits(
+            seqlen_q, seqlen_k, cutlass.Int32(0), cutlass.Int32(0), spec.tile_m, spec.tile_n,
+            False,
+        )  # fmt: skip
+        scan = operands.mask_scan(
+            spec.mask, mMask, b, h, limits, m_block, None, used, NUM_THREADS, tidx
+        )
+        has_tile = (slot < per_cta) & (n_block < mBits.shape[3])
+
+        # gmem -> rmem: this thread's share of its tile, bytes past Sq/Sk zero-filled (False)
+        seen = cutlass.Boolean(False)
+        every = cutlass.Boolean(True)  # threads holding no share do not veto
+        if has_tile:
+            tiles.copy_tile(
+                scan.copy,
+                scan.tXgX[None, None, None, n_block],
+                scan.frag,
+                scan.tXcX[None, None, None, n_block],
+                scan.row_end,
+                scan.col_end,
+                True,
+                True,
+            )
+            seen, every = masking.tile_any_all(scan.frag, scan.words)
+
+        # rmem -> gmem: a group's lanes combined by ballots, its first thread stores the byte
+        seen_lanes = cute.arch.vote_ballot_sync(seen)
+        every_lanes = cute.arch.vote_ballot_sync(every)
+        writer = has_tile & (tidx % used == 0)
+        if cutlass.const_expr(used <= 32):
+            # The group is `used` adjacent lanes of one warp, from this (its first) lane up.
+            lanes = (1 << used) - 1 if used < 32 else -1
+            lane = tidx % 32
+            if writer:
+                self.store(
+                    mBits, b, h, m_block, n_block,
+                    ((seen_lanes >> lane) & lanes) != 0,
+                    ((~every_lanes >> lane) & lanes) == 0,
+                )  # fmt: skip
+        else:
+            # The group is whole warps (lanes past `used` hold no share): their ballots meet
+            # in shared memory.
+            warps = _NUM_WARPS // per_cta
+            smem = tiles.allocate_smem(spec.smem_buffers())
+            s_ballots = tiles.smem_tensor(
+                smem["warp_ballots"],
+                cutlass.Int32,
+                cute.make_layout((2, _NUM_WARPS), stride=(_NUM_WARPS, 1)),
+            )
+            if tidx % 32 == 0:
+                s_ballots[0, tidx // 32] = seen_lanes
+                s_ballots[1, tidx // 32] = every_lanes
+            cute.arch.sync_threads()  # every warp's ballots are in shared memory
+            if writer:
+                seen_any = cutlass.Int32(0)
+                every_all = cutlass.Int32(-1)
+                for w in cutlass.range_constexpr(warps):
+                    seen_any = seen_any | s_ballots[0, slot * warps + w]
+                    every_all = every_all & s_ballots[1, slot * warps + w]
+                self.store(mBits, b, h, m_block, n_block, seen_any != 0, every_all == -1)
+
+    @cute.jit
+    def store(self, mBits: cute.Tensor, b, h, m_block, n_block, visible, full):
+        """The byte of tile (m_block, n_block): VISIBLE, and FULL with it."""
+        value = cutlass.Int32(0)
+        if visible:
+            value = cutlass.Int32(masking.VISIBLE)
+            if full:
+                value = cutlass.Int32(masking.VISIBLE | masking.FULL)
+        mBits[b, h, m_block, n_block] = value.to(cutlass.Uint8)

@@ -1,0 +1,80 @@
+"""Host side of the mask block-bits pre-pass (kernels/block_bits.py): its variant for a mask,
+the shape of its output, and the launch on torch tensors (through the compile cache and
+TVM-FFI, on the current torch stream)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..jit.arch import target_arch
+from ..jit.cache import compiled
+from ..problem import broadcast_view
+from .block_bits import BlockBitsSpec
+from .launch import operand_spec, operand_view
+
+
+def mask_view(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """The uint8 kernel view (launch.operand_view) of a bool or uint8 mask [Bm, Hm, Km] or
+    [Bm, Hm, Qm, Km] with Qm in {1, Sq}, Km in {1, Sk}; stride 0 on its size-1 dims."""
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(f"mask: expected dtype torch.bool or torch.uint8, got {mask.dtype}")
+    if mask.dim() not in (3, 4):
+        raise ValueError(
+            f"mask: expected a 3-D [Bm, Hm, Km] or 4-D [Bm, Hm, Qm, Km] tensor, got "
+            f"{mask.dim()}-D of shape {tuple(mask.shape)}"
+        )
+    view = broadcast_view(mask)
+    for dim, label, length in ((2, "Sq", seqlen_q), (3, "Sk", seqlen_k)):
+        if view.shape[dim] not in (1, length):
+            raise ValueError(
+                f"mask: expected dim {dim} to be 1 or {label}={length}, got {view.shape[dim]}"
+            )
+    return operand_view(view)
+
+
+def block_bits_spec(view: torch.Tensor, seqlen_k: int, tile_m: int, tile_n: int) -> BlockBitsSpec:
+    """The variant for a kernel view (mask_view; may be on the meta device)."""
+    return BlockBitsSpec(operand_spec(view, seqlen_k), tile_m, tile_n)
+
+
+def block_bits_shape(
+    view: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int
+) -> tuple[int, int, int, int]:
+    """[Bm', Hm', n_m_blocks, n_n_blocks] of the bits of a kernel view (mask_view): 1 on its
+    stride-0 batch/head dims, one row of blocks for a query-broadcast mask."""
+    batch, heads = ((1 if view.stride(d) == 0 else view.shape[d]) for d in (0, 1))
+    m_blocks = 1 if view.stride(2) == 0 else -(-seqlen_q // tile_m)
+    return batch, heads, m_blocks, -(-seqlen_k // tile_n)
+
+
+def block_bits(
+    mask: torch.Tensor,
+    seqlen_q: int,
+    seqlen_k: int,
+    tile_m: int,
+    tile_n: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per (tile_m, tile_n) tile of a CUDA mask, one byte: masking.VISIBLE if the tile has a
+    True element inside [0, Sq) x [0, Sk), masking.VISIBLE | masking.FULL if all its elements
+    are True and it lies wholly inside (see kernels/block_bits.py).
+
+    mask: bool or uint8, [Bm, Hm, Km] or [Bm, Hm, Qm, Km] (broadcast as attn_mask is; read
+    in place). Returns uint8 [Bm', Hm', n_m_blocks, n_n_blocks] (block_bits_shape); `out`, if
+    given, must have that shape and is written in place.
+    """
+    view = mask_view(mask, seqlen_q, seqlen_k)
+    shape = block_bits_shape(view, seqlen_q, seqlen_k, tile_m, tile_n)
+    spec = block_bits_spec(view, seqlen_k, tile_m, tile_n)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, device=view.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.uint8:
+        raise ValueError(
+            f"out: expected a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}"
+        )
+    kernel = compiled(spec, target_arch(view.device))
+    kernel(view, out, seqlen_q, seqlen_k)
+    return out
+
+
+__all__ = ["block_bits", "block_bits_shape", "block_bits_spec", "mask_view"]
