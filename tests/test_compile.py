@@ -13,6 +13,8 @@ from dmattn_cute.kernels.bwd import BwdSpec, DbiasSpec
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
 from dmattn_cute.kernels.config import smem_total
 from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
+from dmattn_cute.kernels.fwd_launch import forward_family
+from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 
 pytestmark = [
     pytest.mark.compile,
@@ -68,8 +70,10 @@ def fwd_spec_for(
     bias: OperandSpec | None = FULL_BIAS,
     has_window: bool = False,
     has_softcap: bool = False,
-) -> FwdSpec:
-    return FwdSpec.build(target, dtype, head_dim, mask, bias, has_window, has_softcap)
+) -> FwdSpec | Sm90FwdSpec:
+    """The forward variant the launch picks on `target` (the Hopper kernel on sm_90a)."""
+    family = forward_family(target)
+    return family.build(target, dtype, head_dim, mask, bias, has_window, has_softcap)
 
 
 # In the compiled module's host code the launch config is a struct (grid, block, dynamic
@@ -100,10 +104,23 @@ def fwd_ptx(target: str, spec: FwdSpec | BwdSpec) -> str:
         return kernel.artifacts.PTX
 
 
-def check_fwd_ptx(target: str, ptx: str) -> None:
+def check_mma_sync_ptx(target: str, ptx: str) -> None:
     assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == [target]
     assert "mma.sync.aligned.m16n8k16" in ptx
     assert "cp.async" in ptx and "ldmatrix" in ptx
+
+
+def check_fwd_ptx(target: str, ptx: str) -> None:
+    """The forward on sm_90a: TMA loads and store, wgmma, the producer's registers handed to
+    the consumers; elsewhere the mma.sync kernel."""
+    if target != "sm_90a":
+        check_mma_sync_ptx(target, ptx)
+        return
+    assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == [target]
+    assert "wgmma.mma_async.sync.aligned" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "mma.sync" not in ptx and "ldmatrix" not in ptx
 
 
 @pytest.mark.parametrize(
@@ -172,7 +189,7 @@ DBIAS_SUM_RMW = DbiasSpec("fp32", ("0", "0", "d", "1"), False, False, False)
 
 def check_bwd_ptx(target: str, spec: BwdSpec) -> str:
     ptx = fwd_ptx(target, spec)
-    check_fwd_ptx(target, ptx)
+    check_mma_sync_ptx(target, ptx)
     # dq is accumulated in fp32 global memory, in pairs of adjacent columns on sm_90
     pairs = "red.global.add.v2.f32" in ptx
     assert pairs == target.startswith("sm_90")

@@ -13,6 +13,7 @@ import torch
 
 from dmattn_cute.kernels.bwd import BwdScalars, BwdSpec, FlashBwd
 from dmattn_cute.kernels.fwd import FlashFwd, FwdScalars, FwdSpec
+from dmattn_cute.kernels.sm90.fwd import FlashFwdSm90, Sm90FwdSpec
 from dmattn_cute.kernels.launch import kernel_scalars
 from dmattn_cute.problem import Problem
 
@@ -131,6 +132,9 @@ def _scalar_params(kernel: type) -> list[str]:
     [
         pytest.param(FlashFwd, FwdScalars, FwdSpec.build("sm_80", "bf16", 64, *[None] * 2,
                                                          False, False), id="fwd"),
+        pytest.param(FlashFwdSm90, FwdScalars, Sm90FwdSpec.build("sm_90a", "bf16", 64,
+                                                                 *[None] * 2, False, False),
+                     id="fwd_sm90"),
         pytest.param(FlashBwd, BwdScalars, BwdSpec.build("sm_80", "bf16", 64, *[None] * 3,
                                                          False, False, True), id="bwd"),
     ],

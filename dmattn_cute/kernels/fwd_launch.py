@@ -13,9 +13,9 @@ import torch
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
 from ..problem import Problem
+from .block_bits_launch import block_bits
 from .fwd import FwdScalars, FwdSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view
-from .masking import FULL, VISIBLE
 from .sm90.fwd import Sm90FwdSpec
 
 
@@ -27,13 +27,18 @@ def forward_spec_of(
     return fwd_spec(problem, operand_view(mask), operand_view(bias), arch)
 
 
+def forward_family(arch: str) -> type[FwdSpec] | type[Sm90FwdSpec]:
+    """The forward kernel family of an architecture: the warp-specialized wgmma kernel on
+    sm_90a, the mma.sync kernel on sm_80/86/89."""
+    return Sm90FwdSpec if arch == "sm_90a" else FwdSpec
+
+
 def fwd_spec(
     problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
 ) -> FwdSpec | Sm90FwdSpec:
     """The forward variant for a problem (mask/bias: kernel views from launch.operand_view):
     the warp-specialized wgmma kernel on sm_90a, the mma.sync kernel elsewhere."""
-    family = Sm90FwdSpec if arch == "sm_90a" else FwdSpec
-    return family.build(
+    return forward_family(arch).build(
         arch,
         dtype_name(problem.dtype),
         problem.head_dim,
@@ -47,32 +52,11 @@ def fwd_spec(
 def mask_block_bits(
     mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int
 ) -> torch.Tensor:
-    """Per (batch, mask head, query block, key block) of a uint8 mask view: VISIBLE if the
-    tile has a True, | FULL if every element is True and the tile lies inside Sq x Sk; as a
-    [B, Hm, query blocks (1 for a query-broadcast mask), key blocks] view, stride 0 where the
-    mask broadcasts."""
-    base = mask[tuple(slice(0, 1) if s == 0 else slice(None) for s in mask.stride()[:2])]
-    rows = 1 if mask.stride(2) == 0 else seqlen_q
-    base = base[:, :, :rows].expand(base.shape[0], base.shape[1], rows, seqlen_k)
-    m_blocks, n_blocks = -(-rows // tile_m), -(-seqlen_k // tile_n)
-    padded = torch.zeros(
-        base.shape[0], base.shape[1], m_blocks * tile_m, n_blocks * tile_n,
-        dtype=torch.uint8, device=mask.device,
-    )  # fmt: skip
-    padded[:, :, :rows, :seqlen_k] = base
-    tiles = padded.view(base.shape[0], base.shape[1], m_blocks, tile_m, n_blocks, tile_n)
-    visible = tiles.amax(dim=(3, 5))
-    full = tiles.amin(dim=(3, 5))
-    if rows > 1 and rows % tile_m:
-        full[:, :, -1] = 0
-    if seqlen_k % tile_n:
-        full[:, :, :, -1] = 0
-    bits = visible * VISIBLE | full * FULL
-    # indexed like the mask: stride 0 on its broadcast (size-1) batch and head dims
-    strides = [0 if mask.shape[d] == 1 else bits.stride(d) for d in range(2)]
-    return bits.expand(mask.shape[0], mask.shape[1], m_blocks, n_blocks).as_strided(
-        (mask.shape[0], mask.shape[1], m_blocks, n_blocks), (*strides, *bits.stride()[2:])
-    )
+    """The block bits of a mask view (block_bits_launch.block_bits) for the forward's tiles,
+    indexed like the mask: stride 0 on its broadcast batch and head dims."""
+    bits = block_bits(mask, seqlen_q, seqlen_k, tile_m, tile_n)
+    strides = [0 if bits.shape[d] == 1 else bits.stride(d) for d in range(2)]
+    return bits.as_strided(bits.shape, (*strides, *bits.stride()[2:]))
 
 
 def flash_fwd(
@@ -123,4 +107,4 @@ def flash_fwd(
     return out, lse, stats
 
 
-__all__ = ["flash_fwd", "forward_spec_of", "fwd_spec"]
+__all__ = ["flash_fwd", "forward_family", "forward_spec_of", "fwd_spec"]

@@ -202,11 +202,11 @@ class FlashFwdSm90:
         sV_layout = wgmma_smem_layout(self.dtype, tn, dp, st)
         wgs = (tm // 64, 1, 1)
         tiled_mma_qk = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, atom_layout_mnk=wgs, tiler_mn=(64, tn),
         )  # fmt: skip
         tiled_mma_pv = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             cutlass.Float32, atom_layout_mnk=wgs, tiler_mn=(64, dp),
             a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
