@@ -13,8 +13,8 @@ import torch
 
 from dmattn_cute.kernels.bwd import BwdScalars, BwdSpec, FlashBwd
 from dmattn_cute.kernels.fwd import FlashFwd, FwdScalars, FwdSpec
-from dmattn_cute.kernels.sm90.fwd import FlashFwdSm90, Sm90FwdSpec
 from dmattn_cute.kernels.launch import kernel_scalars
+from dmattn_cute.kernels.sm90.fwd import FlashFwdSm90, Sm90FwdSpec
 from dmattn_cute.problem import Problem
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dmattn_cute"

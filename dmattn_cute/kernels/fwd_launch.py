@@ -27,7 +27,7 @@ def forward_spec_of(
     return fwd_spec(problem, operand_view(mask), operand_view(bias), arch)
 
 
-def forward_family(arch: str) -> type[FwdSpec] | type[Sm90FwdSpec]:
+def forward_family(arch: str) -> type[FwdSpec | Sm90FwdSpec]:
     """The forward kernel family of an architecture: the warp-specialized wgmma kernel on
     sm_90a, the mma.sync kernel on sm_80/86/89."""
     return Sm90FwdSpec if arch == "sm_90a" else FwdSpec
