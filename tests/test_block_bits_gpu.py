@@ -15,7 +15,7 @@ from dmattn_cute.kernels.masking import FULL, VISIBLE
 
 pytestmark = pytest.mark.gpu
 POISON = 0xAA
-TILES = [(64, 128), (128, 128), (128, 176), (128, 80)]
+TILES = [(64, 128), (128, 128), (128, 176), (128, 80), (128, 64)]
 # Odd lengths and tile edges, decode (Sq = 1), Sk = 1, and key lengths whose rows allow 16-, 8-,
 # 4- and 1-byte vectors.
 SEQLENS = [

@@ -172,6 +172,13 @@ def mask_scan(op, mMask, b, hm, limits, m_block, n_block, used, num_threads, tid
     )
     thr = scan_copy.get_slice(tidx % used)
     tMgM = thr.partition_S(gM)
+    share = tMgM[None, None, None, 0]
+    # make_rmem_tensor_like keeps stride-0 modes: the vectors of a key-broadcast row that one
+    # thread reads along the keys would share their registers.
+    if op.strides[3] == "0" and cute.size(share, mode=[2]) > 1:
+        frag = cute.make_rmem_tensor(share.shape, scan_dtype)
+    else:
+        frag = cute.make_rmem_tensor_like(share)
     return SimpleNamespace(
         copy=scan_copy,
         used=used,
@@ -179,7 +186,7 @@ def mask_scan(op, mMask, b, hm, limits, m_block, n_block, used, num_threads, tid
         col_end=limits.seqlen_k // pack,
         tXgX=tMgM,
         tXcX=thr.partition_S(cM),
-        frag=cute.make_rmem_tensor_like(tMgM[None, None, None, 0]),
+        frag=frag,
         words=pack == 4,
         same_tile=op.row_broadcast and m_block is None,
     )
