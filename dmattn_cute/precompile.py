@@ -26,7 +26,7 @@ import torch
 from dmattn_cute.jit import cache
 from dmattn_cute.jit.arch import SUPPORTED_ARCHS
 from dmattn_cute.kernels.bwd_launch import backward_spec_of, preprocess_spec
-from dmattn_cute.kernels.fwd_launch import forward_spec_of
+from dmattn_cute.kernels.fwd_launch import bits_spec_of, forward_spec_of
 from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, make_problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,6 +139,9 @@ def planned_kernels(
         q, k, v, mask, bias, None, is_causal, softcap, (-1, -1), deterministic
     )
     kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch))]
+    bits = bits_spec_of(problem, mask4, bias4, arch)
+    if bits is not None:
+        kernels.append(("bits", bits))
     if backward:
         kernels += [
             ("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)),

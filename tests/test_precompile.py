@@ -158,3 +158,11 @@ def test_pattern_inputs_match_their_description() -> None:
     assert q.shape == (2, 128, 8, 96) and k.shape == v.shape == (2, 128, 2, 96)
     assert q.dtype == torch.float16 and mask.dtype == torch.bool
     assert mask.shape == (2, 2, 128, 128) and bias.shape == (2, 2, 128)
+
+
+def test_hopper_plans_the_mask_block_bits() -> None:
+    """On sm_90a a call with a mask runs the block-bits pre-pass first: precompiled too."""
+    patterns = precompile.call_patterns(["bf16"], [128])
+    labels = [label for label, _ in precompile.variants("sm_90a", patterns)]
+    assert {label.split()[0] for label in labels} == {"fwd", "bits", "bwd_pre", "bwd"}
+    assert all("mask" in label for label in labels if label.startswith("bits"))

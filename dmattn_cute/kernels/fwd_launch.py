@@ -13,7 +13,8 @@ import torch
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
 from ..problem import Problem
-from .block_bits_launch import block_bits
+from .block_bits import BlockBitsSpec
+from .block_bits_launch import block_bits, block_bits_spec
 from .fwd import FwdScalars, FwdSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view
 from .sm90.fwd import Sm90FwdSpec
@@ -47,6 +48,17 @@ def fwd_spec(
         problem.has_window,
         problem.softcap > 0,
     )
+
+
+def bits_spec_of(
+    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+) -> BlockBitsSpec | None:
+    """The block-bits pre-pass a forward call runs first (the Hopper kernel with a mask), or
+    None (mask/bias: normalized 4-D views, as forward_spec_of takes them)."""
+    spec = forward_spec_of(problem, mask, bias, arch)
+    if not isinstance(spec, Sm90FwdSpec) or mask is None:
+        return None
+    return block_bits_spec(operand_view(mask), problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
 
 
 def mask_block_bits(
@@ -107,4 +119,4 @@ def flash_fwd(
     return out, lse, stats
 
 
-__all__ = ["flash_fwd", "forward_family", "forward_spec_of", "fwd_spec"]
+__all__ = ["bits_spec_of", "flash_fwd", "forward_family", "forward_spec_of", "fwd_spec"]

@@ -405,6 +405,17 @@ class FlashFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
         while n_block >= n_block_min:
+            # Mask/bias first: the consumers read the bias before the block's first GEMM, and
+            # its stage frees a block earlier than V's (whose acquire waits for the previous
+            # block's P V).
+            if cutlass.const_expr(self.has_tiles):
+                pipe_tiles.producer_acquire(state)
+                if cutlass.const_expr(spec.mask is not None):
+                    if (cutlass.Int32(bits[n_block]) & FULL) == 0:
+                        loads["mask"].load(n_block, state.index)
+                if cutlass.const_expr(spec.bias is not None):
+                    loads["bias"].load(n_block, state.index)
+                self.tiles_landed(pipe_tiles, state)
             if warp == 0:
                 pipe_k.producer_acquire(state)
                 cute.copy(
@@ -416,14 +427,6 @@ class FlashFwdSm90:
                     tma_v, tVgV[None, n_block], tVsV[None, state.index],
                     tma_bar_ptr=pipe_v.producer_get_barrier(state),
                 )  # fmt: skip
-            if cutlass.const_expr(self.has_tiles):
-                pipe_tiles.producer_acquire(state)
-                if cutlass.const_expr(spec.mask is not None):
-                    if (cutlass.Int32(bits[n_block]) & FULL) == 0:
-                        loads["mask"].load(n_block, state.index)
-                if cutlass.const_expr(spec.bias is not None):
-                    loads["bias"].load(n_block, state.index)
-                self.tiles_landed(pipe_tiles, state)
             state.advance()
             n_block = self.prev_visible(bits, n_block - 1, n_block_min)
 
