@@ -16,14 +16,23 @@ while [ $# -gt 0 ]; do
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 export PYTHONUNBUFFERED=1
-# pytest-xdist, when carried as .pydeps/xdist.tar.xz (the pytest-xdist and execnet wheels,
-# unzipped and packed): the GPU tests are bound by kernel compiles, which then use every core.
+# Carried extras (git-ignored), each an xz tarball of unzipped wheels:
+# - .fa4/fa4.tar.xz: FlashAttention 4 and its deps (apache-tvm-ffi too), a benchmark peer;
+# - .pyx/xdist.tar.xz: pytest-xdist and execnet (the GPU tests are bound by kernel compiles,
+#   which then use every core); .pydeps/xdist.tar.xz: the same plus apache-tvm-ffi.
 jobs=()
-if [ -f .pydeps/xdist.tar.xz ]; then
-  mkdir -p /tmp/pydeps && tar -xJf .pydeps/xdist.tar.xz -C /tmp/pydeps
-  export PYTHONPATH="/tmp/pydeps${PYTHONPATH:+:$PYTHONPATH}"
-  jobs=(-n "${JOBS:-12}")
+if [ -f .fa4/fa4.tar.xz ]; then
+  [ -d /tmp/fa4/flash_attn ] || { mkdir -p /tmp/fa4 && tar -xJf .fa4/fa4.tar.xz -C /tmp/fa4; }
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/fa4"
 fi
+for tarball in .pyx/xdist.tar.xz .pydeps/xdist.tar.xz; do
+  if [ -f "$tarball" ]; then
+    mkdir -p /tmp/pydeps && tar -xJf "$tarball" -C /tmp/pydeps
+    export PYTHONPATH="/tmp/pydeps${PYTHONPATH:+:$PYTHONPATH}"
+    jobs=(-n "${JOBS:-12}")
+    break
+  fi
+done
 status=0
 if [ "$tests" = 1 ]; then
   python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "${jobs[@]}" "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -40

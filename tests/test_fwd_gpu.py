@@ -194,6 +194,26 @@ def test_block_sparse_mask_matches_reference():
     forward_and_check(q, k, v, mask, bias)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_runs_of_empty_key_blocks(head_dim, causal):
+    """Visible key blocks far apart (runs of more than 32 empty blocks: the Hopper walk
+    searches the block bits 32 at a time), query blocks with none, odd lengths."""
+    b, h, sq, sk = 2, 4, 333, 9001
+    q, k, v, _, bias = random_inputs(
+        b, sq, sk, h, 2, head_dim, torch.bfloat16, "cuda", bias_shape=(b, 2, 1, sk)
+    )
+    keep = torch.rand(b, 2, -(-sq // 64), -(-sk // 64), device="cuda") < 0.03
+    keep[:, :, :, -1] = True  # the tail block (the walk starts there)
+    keep[:, 1, 2] = False  # query rows that see no key at all
+    mask = keep.repeat_interleave(64, 2).repeat_interleave(64, 3)[:, :, :sq, :sk]
+    out, lse, _, _ = forward_and_check(q, k, v, mask, bias, causal=causal)
+    if not causal:
+        rows = slice(128, 192)
+        assert torch.equal(out[:, rows, 2:], torch.zeros_like(out[:, rows, 2:]))
+        assert torch.isneginf(lse[:, 2:, rows]).all()
+
+
 def test_non_contiguous_qkv_and_mask():
     qkv = torch.randn(2, 180, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
