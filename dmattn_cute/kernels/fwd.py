@@ -291,7 +291,7 @@ class FlashFwd:
         )  # fmt: skip
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
-            softcap_scale, softcap,
+            softcap_scale, softcap, spec.bias is not None and spec.bias.row_broadcast,
         )  # fmt: skip
         softmax = OnlineSoftmax.create(
             cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import cutlass
 from cutlass import cute
 
-from .utils import mul_rz
+from .utils import acc_mn_view, mul_rz
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,21 @@ class Scores:
     bias_scale: cutlass.Float32
     softcap_scale: cutlass.Float32
     softcap: cutlass.Float32
+    # The bias tile is one row read by every score row (a query-broadcast bias in the forward):
+    # each column is scaled once for all of a thread's rows.
+    bias_rows_shared: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def start(self, acc_s: cute.Tensor, t_bias: cute.Tensor | None):
         """acc_s before Q K^T: bias / scale (smem -> rmem, so scale * S = scale * QK^T + bias
         needs no separate pass), or 0 (no bias, or softcap: the bias follows the cap)."""
-        if cutlass.const_expr(self.has_bias and not self.has_softcap):
+        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_rows_shared):
+            acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
+            for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
+                column = mul_rz(cutlass.Float32(bias_mn[0, c]), self.bias_scale)
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                    acc_mn[r, c] = column
+        elif cutlass.const_expr(self.has_bias and not self.has_softcap):
             acc_s.store(t_bias.load().to(cutlass.Float32))
             # a loop the compiler unrolls: traced once, not once per element
             for i in cutlass.range(cute.size(acc_s), unroll_full=True):

@@ -495,7 +495,7 @@ class FlashFwdSm90:
         views = {name: thr_qk.partition_C(tile_smem[name][1]) for name in tile_smem}
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
-            softcap_scale, softcap,
+            softcap_scale, softcap, spec.bias is not None and spec.bias.row_broadcast,
         )  # fmt: skip
         softmax = OnlineSoftmax.create(
             cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None
