@@ -38,10 +38,12 @@ class FwdTile:
 
 @dataclass(frozen=True)
 class SmemOperand:
-    """What a mask or bias tile costs in shared memory: element bytes and broadcast rows."""
+    """What a mask or bias tile costs in shared memory: element bytes, broadcast rows, and
+    whether it is a TMA box (unpadded, 1024-byte aligned; the Hopper forward's bias)."""
 
     elem_bytes: int
     row_broadcast: bool
+    tma: bool = False
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -231,10 +233,11 @@ def sm90_fwd_smem_buffers(
     bias: SmemOperand | None,
 ) -> tuple[SmemBuffer, ...]:
     """The shared memory of one Hopper forward CTA in allocation order: the pipelines'
-    mbarriers (full + empty per stage: Q, K, V, mask/bias), Q (reused for O), K and V stages
-    (1024-byte aligned for the 128-byte swizzle of TMA and wgmma), mask and bias stages."""
+    mbarriers (full + empty per stage: Q, K, V, cp.async mask/bias, TMA bias), Q (reused for
+    O), K and V stages (1024-byte aligned for the 128-byte swizzle of TMA and wgmma), mask and
+    bias stages."""
     kv_bytes = tile.stages * tile.tile_n * head_dim_padded * elem_bytes
-    barriers = 2 * (1 + 3 * tile.stages)
+    barriers = 2 * (1 + 4 * tile.stages)
     buffers = [
         SmemBuffer("mbar", 8 * barriers, 8),
         SmemBuffer("q", tile.tile_m * head_dim_padded * elem_bytes, 1024),
@@ -242,7 +245,10 @@ def sm90_fwd_smem_buffers(
         SmemBuffer("v", kv_bytes, 1024),
     ]
     for name, operand in (("mask", mask), ("bias", bias)):
-        if operand is not None:
+        if operand is not None and operand.tma:
+            size = tile.stages * tile.tile_m * tile.tile_n * operand.elem_bytes
+            buffers.append(SmemBuffer(name, size, 1024))
+        elif operand is not None:
             rows = 1 if operand.row_broadcast else tile.tile_m
             size = _operand_tiles_bytes(tile.tile_n, rows, tile.stages, operand)
             buffers.append(SmemBuffer(name, size, 16))
@@ -261,11 +267,12 @@ def sm90_fwd_tile(
     mask: SmemOperand | None,
     bias: SmemOperand | None,
 ) -> Sm90FwdTile:
-    """The Hopper forward tiling: 192 query rows up to head dim 64, else 128; two stages; the
-    widest key block that fits (ValueError when none does)."""
+    """The Hopper forward tiling: 192 query rows up to head dim 64 without mask/bias, else
+    128; two stages; the widest key block that fits (ValueError when none does)."""
     tile_n = _SM90_FWD_TILE_N[head_dim_padded]
-    # three consumers for small head dims: their accumulators leave registers to spare
-    tile_m = 192 if head_dim_padded <= 64 else 128
+    # three consumers for small head dims without mask/bias tiles: their accumulators leave
+    # registers to spare (reading mask/bias tiles in the accumulator layout does not)
+    tile_m = 192 if head_dim_padded <= 64 and mask is None and bias is None else 128
     while tile_n >= 32:
         tile = Sm90FwdTile(tile_m, tile_n, 2)
         buffers = sm90_fwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)

@@ -73,8 +73,11 @@ class Scores:
                 dtanh.store(1.0 - capped * capped)
             capped = capped * self.softcap
             if cutlass.const_expr(self.has_bias):
-                # |capped| <= softcap: no finite sum overflows
-                capped = capped + t_bias.load().to(cutlass.Float32)
+                # |capped| <= softcap: no finite sum overflows. Through registers shaped as
+                # acc_s: a TMA tile's view groups the same elements in other modes.
+                bias = cute.make_rmem_tensor_like(acc_s)
+                bias.store(t_bias.load().to(cutlass.Float32))
+                capped = capped + bias.load()
             acc_s.store(capped)
         if cutlass.const_expr(self.has_mask):
             if mask_full == 0:

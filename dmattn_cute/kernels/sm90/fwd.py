@@ -97,12 +97,12 @@ class Sm90FwdSpec:
         has_softcap: bool,
     ) -> Sm90FwdSpec:
         dp = padded_head_dim(head_dim)
-        smem = [None if op is None else op.smem() for op in (mask, bias)]
+        smem = _smem_operands(mask, bias)
         tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem)
         return Sm90FwdSpec(dtype, dp, tile, mask, bias, has_window, has_softcap)
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:
-        smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
+        smem = _smem_operands(self.mask, self.bias)
         return sm90_fwd_smem_buffers(
             self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem
         )
@@ -124,6 +124,15 @@ class Sm90FwdSpec:
         return cute.compile(
             FlashFwdSm90(self), *self.example_args(), options=compile_options(arch, extra_options)
         )
+
+
+def _smem_operands(mask: OperandSpec | None, bias: OperandSpec | None):
+    # The bias comes by TMA when its tiles allow it; the mask always by cp.async (its bytes
+    # are read per element in the accumulator layout, and its full tiles are not loaded).
+    return (
+        None if mask is None else mask.smem(),
+        None if bias is None else bias.smem(tma=bias.tma_tiles),
+    )
 
 
 def wgmma_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
@@ -166,7 +175,9 @@ class FlashFwdSm90:
         self.head_dim_padded = spec.head_dim_padded
         self.num_threads = spec.tile.num_threads
         self.consumer_threads = self.num_threads - 128
-        self.has_tiles = spec.mask is not None or spec.bias is not None
+        self.bias_tma = spec.bias is not None and spec.bias.tma_tiles
+        # tiles the producer copies with cp.async
+        self.has_tiles = spec.mask is not None or (spec.bias is not None and not self.bias_tma)
         # The score accumulator starts from the bias unless the bias follows the softcap.
         self.bias_first = spec.bias is not None and not spec.has_softcap
         self.take_turns = spec.head_dim_padded <= 128
@@ -226,12 +237,22 @@ class FlashFwdSm90:
         tma_o, tO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), tma_view(mO), sQ_layout, (tm, dp)
         )
+        # The bias by TMA: (Sq, Sk[, heads][, batch]), its broadcast (stride-0) dims left out.
+        tma_bias = tBias = sBias_layout = None
+        if cutlass.const_expr(self.bias_tma):
+            kept = [2, 3] + [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
+            view = cute.make_tensor(mBias.iterator, cute.select(mBias.layout, mode=kept))
+            sBias_layout = wgmma_smem_layout(DTYPES[self.spec.bias.dtype], tm, tn, st)
+            tma_bias, tBias = cpasync.make_tiled_tma_atom(
+                load, view, cute.select(sBias_layout, mode=[0, 1]), (tm, tn), 1
+            )
         grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mQ.shape[0])
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], mK.shape[1], mLSE, mStats, mMask, mBias, mBits,
             tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
             window_left, window_right, mask_head_div, bias_head_div, group,
-            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
+            sBias_layout,
         ).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1
         )  # fmt: skip
@@ -268,6 +289,9 @@ class FlashFwdSm90:
         sV_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
+        tma_bias: cute.CopyAtom | None,
+        tBias: cute.Tensor | None,
+        sBias_layout: cute.ComposedLayout | None,
     ):
         spec = self.spec
         tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
@@ -275,6 +299,8 @@ class FlashFwdSm90:
         if warp == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(tma_bias is not None):
+                cpasync.prefetch_descriptor(tma_bias)
         m_blocks = cute.ceil_div(seqlen_q, tm)
         m_rev, h, b = cute.arch.block_idx()
         m_block = m_blocks - 1 - m_rev  # last query blocks first: under causal, the longest
@@ -317,13 +343,23 @@ class FlashFwdSm90:
                 consumer_group=consumer_warps,
                 defer_sync=True,
             )  # fmt: skip
+        pipe_bias = None
+        if cutlass.const_expr(self.bias_tma):
+            pipe_bias = pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar + 2 + 6 * st, num_stages=st, producer_group=one_thread,
+                consumer_group=consumer_warps, tx_count=tm * tn * dtype_bytes(spec.bias.dtype),
+                defer_sync=True,
+            )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every mbarrier is initialized before any thread uses one
 
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
+        sBias = None
+        if cutlass.const_expr(self.bias_tma):
+            sBias = tiles.swizzled_smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], sBias_layout)
         for name, op in (("mask", spec.mask), ("bias", spec.bias)):
-            if cutlass.const_expr(op is not None):
+            if cutlass.const_expr(op is not None and not (name == "bias" and self.bias_tma)):
                 dtype = DTYPES[op.dtype]
                 stride = operands.stage_elems(op, tm, tn, dtype)
                 tile_smem[name] = operands.smem_stages(
@@ -334,16 +370,15 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.registers[0])
             self.produce(
                 tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
-                pipe_q, pipe_k, pipe_v, pipe_tiles, limits, m_block, n_block_min, n_block_max,
-                h, b, mask_head_div, bias_head_div, group, seqlen_k,
+                pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min, n_block_max, h, b, mask_head_div,
+                bias_head_div, group, seqlen_k, tma_bias, tBias, sBias,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
             self.consume(
-                tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, tma_o, pipe_q, pipe_k, pipe_v,
-                pipe_tiles, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block,
-                n_block_min, n_block_max, h, b, scale_log2, bias_scale, softcap_scale,
-                softcap,
+                tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias,
+                tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block, n_block_min,
+                n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap,
             )  # fmt: skip
 
     @cute.jit
@@ -372,11 +407,11 @@ class FlashFwdSm90:
     @cute.jit
     def produce(
         self, tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
-        pipe_q, pipe_k, pipe_v, pipe_tiles, limits, m_block, n_block_min, n_block_max, h, b,
-        mask_head_div, bias_head_div, group, seqlen_k,
+        pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min, n_block_max, h, b, mask_head_div, bias_head_div,
+        group, seqlen_k, tma_bias, tBias, sBias,
     ):  # fmt: skip
-        """The producer warpgroup: Q once, then K, V, mask and bias of every visible key block
-        from the last to the first, each into the next free stage."""
+        """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
+        block from the last to the first, each into the next free stage."""
         spec = self.spec
         tm, tn, dp = self.tile_m, self.tile_n, self.head_dim_padded
         tidx = cute.arch.thread_idx()[0]
@@ -395,13 +430,24 @@ class FlashFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        # mask/bias: gmem -> smem cp.async partitions of the 128 producer threads
+        tBsB = tBgB = None
+        if cutlass.const_expr(self.bias_tma):
+            coord = [None, None] + [
+                x for d, x in ((1, h // bias_head_div), (0, b)) if spec.bias.strides[d] != "0"
+            ]
+            gB = cute.local_tile(tBias[tuple(coord)], (tm, tn), (m_block, None))
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_bias, 0, cute.make_layout(1), cute.group_modes(sBias, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )  # fmt: skip
+        # mask (and a bias TMA cannot read): gmem -> smem cp.async partitions of the 128
+        # producer threads
         loads = {}
         for name, op, mX, head_div in (
             ("mask", spec.mask, mMask, mask_head_div),
             ("bias", spec.bias, mBias, bias_head_div),
         ):
-            if cutlass.const_expr(op is not None):
+            if cutlass.const_expr(op is not None and name in tile_smem):
                 sX, _, tcopy, used = tile_smem[name]
                 gX, cX, row_end = operands.gmem_tiles(
                     op, mX, b, h // head_div, limits, m_block, None
@@ -418,15 +464,22 @@ class FlashFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
         while n_block >= n_block_min:
-            # Mask/bias first: the consumers read the bias before the block's first GEMM, and
-            # its stage frees a block earlier than V's (whose acquire waits for the previous
-            # block's P V).
+            # Bias and mask first: the consumers read the bias before the block's first GEMM,
+            # and their stage frees a block earlier than V's (whose acquire waits for the
+            # previous block's P V).
+            if cutlass.const_expr(self.bias_tma):
+                if warp == 0:
+                    pipe_bias.producer_acquire(state)
+                    cute.copy(
+                        tma_bias, tBgB[None, n_block], tBsB[None, state.index],
+                        tma_bar_ptr=pipe_bias.producer_get_barrier(state),
+                    )  # fmt: skip
             if cutlass.const_expr(self.has_tiles):
                 pipe_tiles.producer_acquire(state)
                 if cutlass.const_expr(spec.mask is not None):
                     if (cutlass.Int32(bits[n_block]) & FULL) == 0:
                         loads["mask"].load(n_block, state.index)
-                if cutlass.const_expr(spec.bias is not None):
+                if cutlass.const_expr("bias" in loads):
                     loads["bias"].load(n_block, state.index)
                 self.tiles_landed(pipe_tiles, state)
             if warp == 0:
@@ -461,9 +514,9 @@ class FlashFwdSm90:
 
     @cute.jit
     def consume(
-        self, tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, tma_o, pipe_q, pipe_k, pipe_v,
-        pipe_tiles, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block, n_block_min,
-        n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap,
+        self, tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias,
+        tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block, n_block_min, n_block_max, h,
+        b, scale_log2, bias_scale, softcap_scale, softcap,
     ):  # fmt: skip
         """A consumer warpgroup: its 64 rows of the query block against every visible key
         block, then the epilogue."""
@@ -493,6 +546,8 @@ class FlashFwdSm90:
             )
         )
         views = {name: thr_qk.partition_C(tile_smem[name][1]) for name in tile_smem}
+        if cutlass.const_expr(self.bias_tma):
+            views["bias"] = thr_qk.partition_C(sBias)
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, spec.bias is not None and spec.bias.row_broadcast,
@@ -513,14 +568,24 @@ class FlashFwdSm90:
         if n_block >= n_block_min:
             # First block: S, its softmax, P (no P V yet: it waits for the next block's S).
             acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-            self.start_scores(scores, acc_S, views, pipe_tiles, state)
+            self.start_scores(scores, acc_S, views, pipe_tiles, pipe_bias, state)
             pipe_k.consumer_wait(state)
             wgmma(
                 tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], self.bias_first, 0
             )
             pipe_k.consumer_release(state)
             self.finish_scores(
-                scores, acc_S, views, pipe_tiles, state, bits, limits, tScS, m_block, n_block
+                scores,
+                acc_S,
+                views,
+                pipe_tiles,
+                pipe_bias,
+                state,
+                bits,
+                limits,
+                tScS,
+                m_block,
+                n_block,
             )
             softmax.probabilities(acc_S)  # O is still 0: nothing to rescale
             round_pairs(acc_S, rP)
@@ -529,7 +594,7 @@ class FlashFwdSm90:
                 prev = state.clone()
                 state.advance()
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                self.start_scores(scores, acc_S, views, pipe_tiles, state)
+                self.start_scores(scores, acc_S, views, pipe_tiles, pipe_bias, state)
                 pipe_k.consumer_wait(state)
                 self.turn_wait(wg)
                 wgmma(
@@ -546,7 +611,17 @@ class FlashFwdSm90:
                 warpgroup.wait_group(1)  # S of this block is complete
                 pipe_k.consumer_release(state)
                 self.finish_scores(
-                    scores, acc_S, views, pipe_tiles, state, bits, limits, tScS, m_block, n_block
+                    scores,
+                    acc_S,
+                    views,
+                    pipe_tiles,
+                    pipe_bias,
+                    state,
+                    bits,
+                    limits,
+                    tScS,
+                    m_block,
+                    n_block,
                 )
                 correction = softmax.probabilities(acc_S)
                 warpgroup.wait_group(0)  # P V of the previous block is complete: P, V are free
@@ -600,17 +675,30 @@ class FlashFwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO is read before the CTA exits
 
     @cute.jit
-    def start_scores(self, scores, acc_S, views, pipe_tiles, state):
+    def start_scores(self, scores, acc_S, views, pipe_tiles, pipe_bias, state):
         """acc_S before Q K^T: bias / scale once the stage's tiles have landed (bias first),
         else left for the GEMM to overwrite."""
         if cutlass.const_expr(self.has_tiles):
             pipe_tiles.consumer_wait(state)
+        if cutlass.const_expr(self.bias_tma):
+            pipe_bias.consumer_wait(state)
         if cutlass.const_expr(self.bias_first):
             scores.start(acc_S, views["bias"][None, None, None, state.index])
 
     @cute.jit
     def finish_scores(
-        self, scores, acc_S, views, pipe_tiles, state, bits, limits, tScS, m_block, n_block
+        self,
+        scores,
+        acc_S,
+        views,
+        pipe_tiles,
+        pipe_bias,
+        state,
+        bits,
+        limits,
+        tScS,
+        m_block,
+        n_block,
     ):
         """acc_S after Q K^T: softcap, the bias after it, the mask tile (unless full), the
         causal/window/length limits; then the stage's mask/bias tiles are released."""
@@ -628,6 +716,8 @@ class FlashFwdSm90:
             cute.arch.sync_warp()
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive(pipe_tiles.sync_object_empty.get_barrier(state.index))
+        if cutlass.const_expr(self.bias_tma):
+            pipe_bias.consumer_release(state)
         limits.apply(acc_S, tScS[None, None, None, n_block], m_block, n_block)
 
     @cute.jit
