@@ -45,7 +45,10 @@ def test_suites_cover_the_issue() -> None:
     assert {w.head_dim for w in dense} == {64, 128, 256}
     assert {w.seqlen_q for w in dense} == {1024, 2048, 4096, 8192, 16384}
     assert {w.dtype for w in dense} == {"bf16", "fp16"} and {w.causal for w in dense} == {0, 1}
-    assert {w.bias for w in SUITES["bias"]()} == {"key", "full"}
+    bias = SUITES["bias"]()
+    assert {w.bias for w in bias} == {"key", "full", None}
+    # the price of the bias alone: the same shape without it, and with no mask
+    assert {(w.bias, w.mask) for w in bias if w.mask is None} == {(None, None), ("key", None)}
     sparse = SUITES["sparse"]()
     assert {(w.mask, w.density) for w in sparse} == {
         (kind, p) for kind in ("blocks", "topk") for p in (1.0, 0.5, 0.25, 0.1, 0.05)
@@ -131,10 +134,11 @@ def test_our_variants_are_what_the_runs_launch(monkeypatch: pytest.MonkeyPatch) 
         _small("blocks", 0.25),
         _small("topk", 0.25),
     )
+    # with a mask, the Hopper forward first runs the block-bits pre-pass
     fwd_only = run.our_variants([(dense, "fwd")], "cpu", "sm_90a")
-    assert [label.split()[0] for label, _ in fwd_only] == ["fwd"]
+    assert [label.split()[0] for label, _ in fwd_only] == ["fwd", "bits"]
     both = run.our_variants([(dense, "fwd"), (dense, "fwdbwd")], "cpu", "sm_90a")
-    assert [label.split()[0] for label, _ in both] == ["fwd", "bwd_pre", "bwd"]
+    assert [label.split()[0] for label, _ in both] == ["fwd", "bits", "bwd_pre", "bwd"]
     assert both[0][1] == fwd_only[0][1]
     # The causal flag and the operands make other kernels; the mask's contents do not.
     more = run.our_variants(

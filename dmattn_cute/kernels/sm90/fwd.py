@@ -41,7 +41,7 @@ import cutlass
 import cutlass.utils.hopper_helpers as hopper
 from cutlass import cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from ...jit.arch import compile_options
 from .. import masking, operands, tiles
