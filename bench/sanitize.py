@@ -4,7 +4,8 @@ compute-sanitizer --tool racecheck python3 -m bench.sanitize
 
 The mask has all-False key blocks and rows (skipped tiles), the bias is [1, H, 1, S] (dbias
 column sums across the heads of a group), GQA 2/1 and a sliding window; the backward runs
-once in default mode (atomics) and once deterministic (turn counters).
+once in default mode (atomics) and once deterministic (turn counters). Then a forward with a
+full [1, H, S, S] bias and softcap (on Hopper: the bias by TMA).
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def main() -> None:
         print(f"deterministic={deterministic}: max abs err out {errs.pop('out'):.3e}, rel err "
               + ", ".join(f"{n} {e:.3e}" for n, e in errs.items()))  # fmt: skip
         assert all(e < 2e-2 for e in errs.values())
+    # A full 16-bit bias with 16-byte aligned rows: the Hopper forward loads it by TMA.
+    full = torch.randn(b, h, s, s, **kw)
+    ref_full, _ = attention_ref(q.float(), k.float(), v.float(), mask, full.float(), softcap=30.0)
+    out = flash_dmattn_func(q, k, v, mask, full, softcap=30.0)
+    err = (out.float() - ref_full).abs().max().item()
+    print(f"full bias, softcap: max abs err out {err:.3e}")
+    assert err < 2e-2
 
 
 if __name__ == "__main__":
