@@ -13,6 +13,7 @@ from dmattn_cute.kernels.config import (
     padded_head_dim,
     smem_total,
 )
+from dmattn_cute.kernels.spec import OperandSpec
 
 OPERANDS = [
     (None, None),
@@ -53,3 +54,57 @@ def test_impossible_combination_is_a_spec_time_error(monkeypatch: pytest.MonkeyP
 def test_buffers_are_placed_at_their_alignment() -> None:
     buffers = [SmemBuffer("a", 10, 4), SmemBuffer("b", 8, 16), SmemBuffer("c", 4, 4)]
     assert smem_total(buffers) == 16 + 8 + 4
+
+
+SM90_OPERANDS = [
+    *OPERANDS,
+    (SmemOperand(1, False), SmemOperand(2, False, tma=True)),
+    (None, SmemOperand(2, False, tma=True)),
+]
+
+
+@pytest.mark.parametrize(("mask", "bias"), SM90_OPERANDS)
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 256])
+def test_every_hopper_forward_variant_fits(head_dim, mask, bias) -> None:
+    tile = config.sm90_fwd_tile("sm_90a", head_dim, 2, mask, bias)
+    buffers = config.sm90_fwd_smem_buffers(tile, head_dim, 2, mask, bias)
+    assert smem_total(buffers) <= smem_capacity("sm_90a")
+    # wgmma: 64 rows per consumer warpgroup; the key block is the P V GEMM's k (16s)
+    assert tile.tile_m % 64 == 0 and tile.tile_n % 16 == 0
+    assert tile.num_threads == 128 * (1 + tile.tile_m // 64)
+    # TMA and the 128-byte swizzle need 1024-byte aligned tiles
+    assert all(b.align == 1024 for b in buffers if b.name in ("q", "k", "v"))
+    if bias is not None and bias.tma:
+        assert next(b for b in buffers if b.name == "bias").align == 1024
+
+
+def test_hopper_forward_tiles() -> None:
+    tile = config.sm90_fwd_tile
+    assert tile("sm_90a", 128, 2, None, None) == config.Sm90FwdTile(128, 128, 2)
+    # three consumers at small head dims, unless mask/bias tiles take their registers
+    assert tile("sm_90a", 64, 2, None, None).tile_m == 192
+    assert tile("sm_90a", 64, 2, SmemOperand(1, False), None).tile_m == 128
+    # mask and bias stages narrow the key block until they fit
+    assert tile("sm_90a", 128, 2, SmemOperand(1, False), SmemOperand(2, False)).tile_n < 128
+    assert tile("sm_90a", 256, 2, None, None).tile_n == 80
+
+
+def test_hopper_tile_search_fails_at_spec_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "smem_capacity", lambda arch: 64 * 1024)
+    with pytest.raises(ValueError, match="shared memory"):
+        config.sm90_fwd_tile("sm_90a", 256, 2, SmemOperand(1, False), SmemOperand(4, False))
+
+
+@pytest.mark.parametrize(
+    ("operand", "tma"),
+    [
+        (OperandSpec("bf16", ("d", "d", "d", "1"), 8), True),
+        (OperandSpec("fp16", ("0", "d", "d", "1"), 8), True),  # broadcast dims drop out
+        (OperandSpec("bf16", ("d", "d", "d", "1"), 4), False),  # rows 8-byte aligned only
+        (OperandSpec("bf16", ("d", "d", "0", "1"), 8), False),  # one row for all queries
+        (OperandSpec("fp32", ("d", "d", "d", "1"), 4), False),  # 32-bit: no room for 2 stages
+        (OperandSpec("bf16", ("d", "d", "1", "d"), 1), False),  # queries contiguous
+    ],
+)
+def test_bias_tiles_by_tma(operand, tma) -> None:
+    assert operand.tma_tiles == tma

@@ -166,3 +166,16 @@ def test_hopper_plans_the_mask_block_bits() -> None:
     labels = [label for label, _ in precompile.variants("sm_90a", patterns)]
     assert {label.split()[0] for label in labels} == {"fwd", "bits", "bwd_pre", "bwd"}
     assert all("mask" in label for label in labels if label.startswith("bits"))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
+def test_forward_family_per_arch(arch: str) -> None:
+    """Hopper runs the warp-specialized forward; SM80/86/89 keep the mma.sync one."""
+    from dmattn_cute.kernels.fwd import FwdSpec
+    from dmattn_cute.kernels.fwd_launch import forward_family
+    from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
+
+    assert forward_family(arch) is (Sm90FwdSpec if arch == "sm_90a" else FwdSpec)
+    pattern = precompile.call_patterns(["bf16"], [64])[0]
+    (fwd,) = [spec for kind, spec in precompile.kernel_specs(pattern, arch) if kind == "fwd"]
+    assert isinstance(fwd, forward_family(arch))
