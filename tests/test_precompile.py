@@ -13,6 +13,9 @@ import torch
 
 from dmattn_cute import precompile
 from dmattn_cute.jit import cache
+from dmattn_cute.kernels.fwd import FwdSpec
+from dmattn_cute.kernels.fwd_launch import forward_family
+from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -171,10 +174,6 @@ def test_hopper_plans_the_mask_block_bits() -> None:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
 def test_forward_family_per_arch(arch: str) -> None:
     """Hopper runs the warp-specialized forward; SM80/86/89 keep the mma.sync one."""
-    from dmattn_cute.kernels.fwd import FwdSpec
-    from dmattn_cute.kernels.fwd_launch import forward_family
-    from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
-
     assert forward_family(arch) is (Sm90FwdSpec if arch == "sm_90a" else FwdSpec)
     pattern = precompile.call_patterns(["bf16"], [64])[0]
     (fwd,) = [spec for kind, spec in precompile.kernel_specs(pattern, arch) if kind == "fwd"]
