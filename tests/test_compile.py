@@ -165,6 +165,28 @@ def test_fwd_unaligned_operands_compile(target: str) -> None:
     check_fwd_ptx(target, fwd_ptx(target, spec))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_bias_by_tma_compiles(head_dim: int) -> None:
+    """A 16-bit bias with aligned rows comes by TMA, its broadcast dims left out of the TMA
+    view (here batch); with softcap it is read after the cap, through registers."""
+    bias = OperandSpec("fp16", ("0", "d", "d", "1"), 8)
+    spec = fwd_spec_for("sm_90a", head_dim, "fp16", FULL_MASK, bias, True, True)
+    assert spec.bias.tma_tiles
+    ptx = fwd_ptx("sm_90a", spec)
+    check_fwd_ptx("sm_90a", ptx)
+    # Q, K, V (4-D views) and the bias ((Sq, Sk, heads): batch dropped) by TMA
+    assert set(re.findall(r"cp\.async\.bulk\.tensor\.\dd", ptx)) == {
+        "cp.async.bulk.tensor.3d",
+        "cp.async.bulk.tensor.4d",
+    }
+    # rows only 8-byte aligned: the bias comes by cp.async like the mask
+    cp_bias = OperandSpec("fp16", ("0", "d", "d", "1"), 4)
+    spec = fwd_spec_for("sm_90a", head_dim, "fp16", FULL_MASK, cp_bias, True, True)
+    assert not spec.bias.tma_tiles
+    ptx = fwd_ptx("sm_90a", spec)
+    assert set(re.findall(r"cp\.async\.bulk\.tensor\.\dd", ptx)) == {"cp.async.bulk.tensor.4d"}
+
+
 def bwd_spec_for(
     target: str,
     head_dim: int,
