@@ -4,9 +4,11 @@ block skip.
 One CTA per (query block, head, batch), longest causal rows first. Three warpgroups:
 
 - the producer (warps 0-3, few registers): warp 0 loads Q once and K, V per visible key block
-  by TMA into `stages` smem stages; all four warps load the block's mask and bias tiles with
-  predicated cp.async (any view: broadcast dims, odd strides, key tails zero-filled), each
-  thread arriving on the stage's mbarrier when its copies land.
+  by TMA into `stages` smem stages, and the bias tile too when its rows allow (16-bit,
+  16-byte aligned: Sm90FwdSpec's `bias.tma_tiles`); all four warps load the block's mask
+  tile, and a bias TMA cannot read, with predicated cp.async (any view: broadcast dims, odd
+  strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
+  copies land. A block's bias and mask go before its K and V.
 - two consumers (64 query rows each): S = bias / scale + Q K^T by wgmma from smem, softcap /
   mask / causal-window limits, the online softmax, O += P V by wgmma with P from registers.
   The next block's Q K^T is issued before the previous block's P V (so the softmax of one
@@ -21,8 +23,8 @@ and consumers read the same bits and walk the same visible blocks, from the last
 a block that is not visible costs nothing, a full one loads no mask tile and masks nothing.
 
 Shared memory and the order that protects it:
-- mbar: full/empty mbarriers of the Q, K, V and mask/bias pipelines, initialized before the
-  CTA-wide barrier that precedes every other use.
+- mbar: full/empty mbarriers of the Q, K, V, cp.async mask/bias and TMA bias pipelines,
+  initialized before the CTA-wide barrier that precedes every other use.
 - sQ: written by TMA once (Q pipeline), read by every Q K^T wgmma; after the consumers'
   epilogue barrier (each consumer passes it after its last wgmma has completed) it holds O for
   the TMA store.
@@ -370,15 +372,17 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.registers[0])
             self.produce(
                 tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
-                pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min, n_block_max, h, b, mask_head_div,
-                bias_head_div, group, seqlen_k, tma_bias, tBias, sBias,
+                pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
+                n_block_max, h, b, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
+                tBias, sBias,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
             self.consume(
-                tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias,
-                tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block, n_block_min,
-                n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap,
+                tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
+                pipe_v, pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits,
+                m_block, n_block_min, n_block_max, h, b, scale_log2, bias_scale,
+                softcap_scale, softcap,
             )  # fmt: skip
 
     @cute.jit
@@ -407,8 +411,9 @@ class FlashFwdSm90:
     @cute.jit
     def produce(
         self, tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
-        pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min, n_block_max, h, b, mask_head_div, bias_head_div,
-        group, seqlen_k, tma_bias, tBias, sBias,
+        pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
+        n_block_max, h, b, mask_head_div, bias_head_div, group, seqlen_k, tma_bias, tBias,
+        sBias,
     ):  # fmt: skip
         """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
         block from the last to the first, each into the next free stage."""
@@ -514,9 +519,9 @@ class FlashFwdSm90:
 
     @cute.jit
     def consume(
-        self, tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias,
-        tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block, n_block_min, n_block_max, h,
-        b, scale_log2, bias_scale, softcap_scale, softcap,
+        self, tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
+        pipe_v, pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block,
+        n_block_min, n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap,
     ):  # fmt: skip
         """A consumer warpgroup: its 64 rows of the query block against every visible key
         block, then the epilogue."""
