@@ -382,25 +382,10 @@ class FlashFwd:
         lse = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
         log2sum = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
         softmax.finalize(acc_O, lse, log2sum)
-        coord_mn = acc_mn_view(mm.tScS[None, None, None, 0])
-        if tidx % 4 == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = coord_mn[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[b, h, row] = lse[r]
-                    row_max = softmax.row_max[r]
-                    if cutlass.const_expr(spec.bias is None):
-                        # Scores are bounded without a bias: max and sum fold into one shift
-                        # (the backward then loads one value per row; +inf: an empty row).
-                        mStats[b, h, 0, row] = 0.0
-                        mStats[b, h, 1, row] = (
-                            log2sum[r]
-                            if row_max == -cutlass.Float32.inf
-                            else row_max * scale_log2 + log2sum[r]
-                        )
-                    else:
-                        mStats[b, h, 0, row] = 0.0 if row_max == -cutlass.Float32.inf else row_max
-                        mStats[b, h, 1, row] = log2sum[r]
+        softmax.store_stats(
+            lse, log2sum, acc_mn_view(mm.tScS[None, None, None, 0]), mLSE, mStats, b, h,
+            seqlen_q, tidx, spec.bias is None,
+        )  # fmt: skip
 
         sO = cute.make_tensor(sQ.iterator, sQ_layout)
         # No cp.async may still write sQ (a Q load with no key block consumed it, or a

@@ -101,3 +101,31 @@ class OnlineSoftmax:
             row_lse = self.row_max[r] * scale + log2sum * LN2
             lse[r] = -cutlass.Float32.inf if empty else row_lse
             row_log2sum[r] = cutlass.Float32.inf if empty else log2sum
+
+    @cute.jit
+    def store_stats(self, lse, row_log2sum, coord_mn, mLSE, mStats, b, h, seqlen_q, tidx, folded):
+        """lse and the backward's stats of this thread's rows (finalize's outputs) into
+        gmem, by the first of the 4 threads sharing a row; rows past seqlen_q are not
+        stored. coord_mn: the (row, col) of each score in the acc_mn_view layout.
+
+        folded (compile-time, no bias): scores are bounded, so max and sum fold into one
+        shift (stats[0] = 0, stats[1] = max * scale_log2 + log2 sum; +inf for an empty row)
+        and the backward loads one value per row. Otherwise stats[0] is the row max in
+        accumulator units (0 for an empty row) and stats[1] the log2 row sum.
+        """
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = coord_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[b, h, row] = lse[r]
+                    row_max = self.row_max[r]
+                    if cutlass.const_expr(folded):
+                        mStats[b, h, 0, row] = 0.0
+                        mStats[b, h, 1, row] = (
+                            row_log2sum[r]
+                            if row_max == -cutlass.Float32.inf
+                            else row_max * self.scale_log2 + row_log2sum[r]
+                        )
+                    else:
+                        mStats[b, h, 0, row] = 0.0 if row_max == -cutlass.Float32.inf else row_max
+                        mStats[b, h, 1, row] = row_log2sum[r]
