@@ -30,7 +30,11 @@ Shared memory and the order that protects it:
   the TMA store.
 - sK, sV, mask, bias stages: filled by the producer after the stage's empty barrier, read by
   the consumers after its full barrier, released (empty barrier) once the wgmma reading K or
-  V has completed and, for mask/bias, once the scores have read them.
+  V has completed and, for mask/bias, once the scores have read them. cp.async mask/bias
+  stages count one release arrive per consumer thread, each after its own reads (with one
+  elected arrive per warp, compute-sanitizer racecheck sees lanes 1-31's reads unordered with
+  the refill, since the __syncwarp before it compiles to nothing); the TMA bias stage takes
+  one arrive per warp, after a __syncwarp, as PipelineTmaAsync counts them.
 """
 
 from __future__ import annotations
@@ -342,7 +346,9 @@ class FlashFwdSm90:
             pipe_tiles = pipeline.PipelineCpAsync.create(
                 barrier_storage=mbar + 2 + 4 * st, num_stages=st,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-                consumer_group=consumer_warps,
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.consumer_threads
+                ),
                 defer_sync=True,
             )  # fmt: skip
         pipe_bias = None
@@ -703,11 +709,11 @@ class FlashFwdSm90:
             full = cutlass.Int32(bits[n_block]) & FULL
         scores.finish(acc_S, t_bias, t_mask, full)
         if cutlass.const_expr(self.has_tiles):
-            # one arrive per warp, once all its lanes have read the tiles
-            cute.arch.sync_warp()
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(pipe_tiles.sync_object_empty.get_barrier(state.index))
+            # every consumer thread arrives after its own reads of the tiles (release)
+            pipe_tiles.consumer_release(state)
         if cutlass.const_expr(self.bias_tma):
+            # one arrive per warp (PipelineTmaAsync); the warp's lanes have read the tile first
+            cute.arch.sync_warp()
             pipe_bias.consumer_release(state)
         limits.apply(acc_S, tScS[None, None, None, n_block], m_block, n_block)
 
