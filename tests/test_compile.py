@@ -27,7 +27,6 @@ KEY_BCAST_MASK = OperandSpec("u8", ("d", "0", "d", "0"), 1)
 FULL_BIAS = OperandSpec("bf16", ("d", "d", "d", "1"), 8)
 ROW_BIAS_FP32 = OperandSpec("fp32", ("d", "d", "0", "1"), 4)
 UNALIGNED_BIAS = OperandSpec("bf16", ("0", "d", "d", "1"), 1)
-UNALIGNED_ROW_BIAS = OperandSpec("bf16", ("0", "d", "0", "1"), 1)
 
 BWD_PRE_CASES = [
     pytest.param("fp16", 128, id="fp16-d128"),
@@ -186,20 +185,6 @@ def test_hopper_bias_by_tma_compiles(head_dim: int) -> None:
     assert not spec.bias.tma_tiles
     ptx = fwd_ptx("sm_90a", spec)
     assert set(re.findall(r"cp\.async\.bulk\.tensor\.\dd", ptx)) == {"cp.async.bulk.tensor.4d"}
-
-
-@pytest.mark.parametrize(("bias", "softcap"), [(ROW_BIAS_FP32, False), (UNALIGNED_ROW_BIAS, True)])
-def test_hopper_query_broadcast_bias_by_registers_compiles(bias: OperandSpec, softcap: bool):
-    """A query-broadcast bias ([.., 1, Sk]) goes from gmem straight into the consumers'
-    registers, a block ahead: no smem stage, no producer copy (without a mask the producer
-    keeps the smaller register share), and no local-memory array in the PTX."""
-    spec = fwd_spec_for("sm_90a", 128, "bf16", None, bias, False, softcap)
-    assert [b.name for b in spec.smem_buffers()] == ["mbar", "q", "k", "v"]
-    ptx = fwd_ptx("sm_90a", spec)
-    check_fwd_ptx("sm_90a", ptx)
-    assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx
-    assert ".local" not in ptx
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
 
 
 def bwd_spec_for(

@@ -133,21 +133,11 @@ class Sm90FwdSpec:
 
 
 def _smem_operands(mask: OperandSpec | None, bias: OperandSpec | None):
-    # The bias comes by TMA when its tiles allow it, and a query-broadcast one (one row per
-    # block) from gmem into registers; the mask always by cp.async (its bytes are read per
-    # element in the accumulator layout, and its full tiles are not loaded).
+    # The bias comes by TMA when its tiles allow it; the mask always by cp.async (its bytes
+    # are read per element in the accumulator layout, and its full tiles are not loaded).
     return (
         None if mask is None else mask.smem(),
-        None if bias is None or bias.row_broadcast else bias.smem(tma=bias.tma_tiles),
-    )
-
-
-def column_layout(acc_shape) -> cute.Layout:
-    """A register tile shaped as a wgmma accumulator whose rows all alias row 0: one value per
-    column of the thread (a query-broadcast bias)."""
-    (pair, half, atoms), mma_m, mma_n = acc_shape
-    return cute.make_layout(
-        ((pair, half, atoms), mma_m, mma_n), stride=((1, 0, pair), 0, pair * atoms)
+        None if bias is None else bias.smem(tma=bias.tma_tiles),
     )
 
 
@@ -192,13 +182,8 @@ class FlashFwdSm90:
         self.num_threads = spec.tile.num_threads
         self.consumer_threads = self.num_threads - 128
         self.bias_tma = spec.bias is not None and spec.bias.tma_tiles
-        # A query-broadcast bias: each consumer thread loads its columns of the row (gmem ->
-        # registers, a block ahead); no smem stage, no producer copy.
-        self.bias_regs = spec.bias is not None and spec.bias.row_broadcast
         # tiles the producer copies with cp.async
-        self.has_tiles = spec.mask is not None or (
-            spec.bias is not None and not self.bias_tma and not self.bias_regs
-        )
+        self.has_tiles = spec.mask is not None or (spec.bias is not None and not self.bias_tma)
         # The score accumulator starts from the bias unless the bias follows the softcap.
         self.bias_first = spec.bias is not None and not spec.has_softcap
         self.take_turns = spec.head_dim_padded <= 128
@@ -382,8 +367,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.bias_tma):
             sBias = tiles.swizzled_smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], sBias_layout)
         for name, op in (("mask", spec.mask), ("bias", spec.bias)):
-            own_load = name == "bias" and (self.bias_tma or self.bias_regs)
-            if cutlass.const_expr(op is not None and not own_load):
+            if cutlass.const_expr(op is not None and not (name == "bias" and self.bias_tma)):
                 dtype = DTYPES[op.dtype]
                 stride = operands.stage_elems(op, tm, tn, dtype)
                 tile_smem[name] = operands.smem_stages(
@@ -404,7 +388,7 @@ class FlashFwdSm90:
                 tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
                 pipe_v, pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits,
                 m_block, n_block_min, n_block_max, h, b, scale_log2, bias_scale,
-                softcap_scale, softcap, mBias, bias_head_div,
+                softcap_scale, softcap,
             )  # fmt: skip
 
     @cute.jit
@@ -543,8 +527,7 @@ class FlashFwdSm90:
     def consume(
         self, tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
         pipe_v, pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block,
-        n_block_min, n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap, mBias,
-        bias_head_div,
+        n_block_min, n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap,
     ):  # fmt: skip
         """A consumer warpgroup: its 64 rows of the query block against every visible key
         block, then the epilogue."""
@@ -576,10 +559,6 @@ class FlashFwdSm90:
         views = {name: thr_qk.partition_C(tile_smem[name][1]) for name in tile_smem}
         if cutlass.const_expr(self.bias_tma):
             views["bias"] = thr_qk.partition_C(sBias)
-        bias_row = rBias = None
-        if cutlass.const_expr(self.bias_regs):
-            bias_row = mBias[b, h // bias_head_div, 0, None]
-            rBias = cute.make_rmem_tensor(column_layout(s_shape), DTYPES[spec.bias.dtype])
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, spec.bias is not None and spec.bias.row_broadcast,
@@ -599,28 +578,34 @@ class FlashFwdSm90:
         n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
         if n_block >= n_block_min:
             # First block: S, its softmax, P (no P V yet: it waits for the next block's S).
-            self.load_bias_columns(rBias, bias_row, tScS, n_block, n_block_min, seqlen_k)
             acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-            self.start_scores(scores, acc_S, views, rBias, pipe_tiles, pipe_bias, state)
+            self.start_scores(scores, acc_S, views, pipe_tiles, pipe_bias, state)
             pipe_k.consumer_wait(state)
             wgmma(
                 tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], self.bias_first, 0
             )
-            n_next = self.prev_visible(bits, n_block - 1, n_block_min)
             pipe_k.consumer_release(state)
             self.finish_scores(
-                scores, acc_S, views, rBias, pipe_tiles, pipe_bias, state, bits, limits, tScS,
-                m_block, n_block,
-            )  # fmt: skip
+                scores,
+                acc_S,
+                views,
+                pipe_tiles,
+                pipe_bias,
+                state,
+                bits,
+                limits,
+                tScS,
+                m_block,
+                n_block,
+            )
             softmax.probabilities(acc_S)  # O is still 0: nothing to rescale
             round_pairs(acc_S, rP)
-            self.load_bias_columns(rBias, bias_row, tScS, n_next, n_block_min, seqlen_k)
-            n_block = n_next
+            n_block = self.prev_visible(bits, n_block - 1, n_block_min)
             while n_block >= n_block_min:
                 prev = state.clone()
                 state.advance()
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                self.start_scores(scores, acc_S, views, rBias, pipe_tiles, pipe_bias, state)
+                self.start_scores(scores, acc_S, views, pipe_tiles, pipe_bias, state)
                 pipe_k.consumer_wait(state)
                 self.turn_wait(wg)
                 wgmma(
@@ -634,21 +619,27 @@ class FlashFwdSm90:
                 pipe_v.consumer_wait(prev)
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], True, -1)
                 self.turn_pass(wg)
-                n_next = self.prev_visible(bits, n_block - 1, n_block_min)
                 warpgroup.wait_group(1)  # S of this block is complete
                 pipe_k.consumer_release(state)
                 self.finish_scores(
-                    scores, acc_S, views, rBias, pipe_tiles, pipe_bias, state, bits, limits,
-                    tScS, m_block, n_block,
-                )  # fmt: skip
+                    scores,
+                    acc_S,
+                    views,
+                    pipe_tiles,
+                    pipe_bias,
+                    state,
+                    bits,
+                    limits,
+                    tScS,
+                    m_block,
+                    n_block,
+                )
                 correction = softmax.probabilities(acc_S)
                 warpgroup.wait_group(0)  # P V of the previous block is complete: P, V are free
                 pipe_v.consumer_release(prev)
                 softmax.rescale_output(acc_O, correction)
                 round_pairs(acc_S, rP)
-                # the next block's bias columns: in flight while this consumer waits its turn
-                self.load_bias_columns(rBias, bias_row, tScS, n_next, n_block_min, seqlen_k)
-                n_block = n_next
+                n_block = self.prev_visible(bits, n_block - 1, n_block_min)
             # Last block's P V.
             pipe_v.consumer_wait(state)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], True, 0)
@@ -681,25 +672,7 @@ class FlashFwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO is read before the CTA exits
 
     @cute.jit
-    def load_bias_columns(self, rBias, bias_row, tScS, n_block, n_block_min, seqlen_k):
-        """A query-broadcast bias: this thread's columns of key block n_block from gmem into
-        rBias. Branch-free, so rBias stays in registers: past the first block (none left) it
-        reads the first block again, and columns past seqlen_k read the last key (the limits
-        mask them)."""
-        if cutlass.const_expr(self.bias_regs):
-            cols = acc_mn_view(tScS[None, None, None, cutlass.max(n_block, n_block_min)])
-            r_mn = acc_mn_view(rBias)
-            for c in cutlass.range_constexpr(cute.size(r_mn.shape[1])):
-                r_mn[0, c] = bias_row[cutlass.min(cols[0, c][1], seqlen_k - 1)]
-
-    def bias_view(self, views, rBias, state):
-        """The bias tile the scores read: registers, or the stage's smem view."""
-        if cutlass.const_expr(self.bias_regs):
-            return rBias
-        return views["bias"][None, None, None, state.index]
-
-    @cute.jit
-    def start_scores(self, scores, acc_S, views, rBias, pipe_tiles, pipe_bias, state):
+    def start_scores(self, scores, acc_S, views, pipe_tiles, pipe_bias, state):
         """acc_S before Q K^T: bias / scale once the stage's tiles have landed (bias first),
         else left for the GEMM to overwrite."""
         if cutlass.const_expr(self.has_tiles):
@@ -707,7 +680,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.bias_tma):
             pipe_bias.consumer_wait(state)
         if cutlass.const_expr(self.bias_first):
-            scores.start(acc_S, self.bias_view(views, rBias, state))
+            scores.start(acc_S, views["bias"][None, None, None, state.index])
 
     @cute.jit
     def finish_scores(
@@ -715,7 +688,6 @@ class FlashFwdSm90:
         scores,
         acc_S,
         views,
-        rBias,
         pipe_tiles,
         pipe_bias,
         state,
@@ -730,7 +702,7 @@ class FlashFwdSm90:
         spec = self.spec
         t_bias = t_mask = None
         if cutlass.const_expr(spec.bias is not None):
-            t_bias = self.bias_view(views, rBias, state)
+            t_bias = views["bias"][None, None, None, state.index]
         full = cutlass.Int32(0)
         if cutlass.const_expr(spec.mask is not None):
             t_mask = views["mask"][None, None, None, state.index]
