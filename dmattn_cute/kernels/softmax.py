@@ -11,20 +11,17 @@ from cutlass import cute
 from .utils import acc_mn_view, quad_allreduce_max, quad_allreduce_sum
 
 LN2 = math.log(2.0)
-# Below this |max * scale_log2|, its float32 rounding (<= 2^-14) moves a probability by less than
-# 1e-4 relative: the shift folds into one FMA per score even with a bias.
-_FMA_SHIFT_LIMIT = 1024.0
 
 
 @dataclass(frozen=True)
 class OnlineSoftmax:
     """Running row max and row sum of this thread's accumulator rows.
 
-    Scores stay in accumulator units; `scale_log2` maps them to log2 units. Each probability
-    is exp2(FMA(s, scale_log2, -shift)) with shift = max * scale_log2. With a bias
-    (`huge_scores`) a row may sit near the float32 range (a finfo.min padding bias), where
-    the shift rounds by more than 1: such a row (|shift| >= 1024, a row-uniform branch)
-    subtracts the max before scaling, so equal scores give exactly exp2(0). A row that has seen no visible key keeps
+    Scores stay in accumulator units; `scale_log2` maps them to log2 units. Without a bias the
+    scores are bounded by |q| |k|, and each probability is exp2(FMA(s, scale_log2, -shift)).
+    With a bias (`huge_scores`) a row may sit near the float32 range (a finfo.min padding
+    bias), where max * scale_log2 rounds by more than 1: the max is subtracted before scaling,
+    so equal scores give exactly exp2(0). A row that has seen no visible key keeps
     max = -inf; its shift is taken as 0 so exp2(-inf) = 0 and nothing becomes NaN.
     """
 
@@ -62,37 +59,19 @@ class OnlineSoftmax:
             prev_max = self.row_max[r]
             new_max = cute.arch.fmax(prev_max, block_max)
             base = 0.0 if new_max == -cutlass.Float32.inf else new_max
-            shift = base * self.scale_log2
-            if cutlass.const_expr(not self.huge_scores):
-                self._exp_shifted(s_mn, r, row, prev_max, shift, correction)
+            if cutlass.const_expr(self.huge_scores):
+                probs = cute.math.exp2((row - base) * self.scale_log2, fastmath=True)
+                correction[r] = cute.math.exp2((prev_max - base) * self.scale_log2, fastmath=True)
             else:
-                if shift > -_FMA_SHIFT_LIMIT and shift < _FMA_SHIFT_LIMIT:
-                    self._exp_shifted(s_mn, r, row, prev_max, shift, correction)
-                else:
-                    probs = cute.math.exp2((row - base) * self.scale_log2, fastmath=True)
-                    correction[r] = cute.math.exp2(
-                        (prev_max - base) * self.scale_log2, fastmath=True
-                    )
-                    self._accumulate(s_mn, r, probs, correction)
+                shift = base * self.scale_log2
+                probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
+                correction[r] = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
+            self.row_sum[r] = self.row_sum[r] * correction[r] + probs.reduce(
+                cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+            )
             self.row_max[r] = new_max
+            s_mn[r, None] = probs
         return correction
-
-    @cute.jit
-    def _exp_shifted(self, s_mn, r, row, prev_max, shift, correction):
-        """Row r's probabilities as exp2(FMA(s, scale_log2, -shift)), one instruction per
-        score before the exp2."""
-        probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
-        correction[r] = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
-        self._accumulate(s_mn, r, probs, correction)
-
-    @cute.jit
-    def _accumulate(self, s_mn, r, probs, correction):
-        """Row r's sum rescaled by its correction plus this block's probabilities; the
-        probabilities replace the row's scores."""
-        self.row_sum[r] = self.row_sum[r] * correction[r] + probs.reduce(
-            cute.ReductionOp.ADD, cutlass.Float32.zero, 0
-        )
-        s_mn[r, None] = probs
 
     @cute.jit
     def rescale_output(self, acc_o: cute.Tensor, correction: cute.Tensor):
