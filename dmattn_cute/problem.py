@@ -214,17 +214,18 @@ def check_broadcast(
             f"{name}: expected a 3-D [Bm, Hm, Km] or 4-D [Bm, Hm, Qm, Km] tensor, "
             f"got {t.dim()}-D of shape {_shape(t)}"
         )
-    heads_allowed = f"1, Hkv={heads_kv} or H={heads}" if heads_kv != heads else f"1 or H={heads}"
-    dims = [
-        ("batch", (1, batch), f"1 or B={batch}"),
-        ("heads", (1, heads_kv, heads), heads_allowed),
-        ("queries", (1, seqlen_q), f"1 or Sq={seqlen_q}"),
-        ("keys", (1, seqlen_k), f"1 or Sk={seqlen_k}"),
-    ]
-    if t.dim() == 3:
-        del dims[2]
-    for index, ((label, allowed, allowed_text), size) in enumerate(zip(dims, t.shape, strict=True)):
-        if size not in allowed:
+    dims = (0, 1, 2, 3) if t.dim() == 4 else (0, 1, 3)  # of (batch, heads, queries, keys)
+    allowed = ((1, batch), (1, heads_kv, heads), (1, seqlen_q), (1, seqlen_k))
+    for index, (dim, size) in enumerate(zip(dims, t.shape, strict=True)):
+        if size not in allowed[dim]:
+            # the message is built only here: this check runs on every call
+            heads_text = f"1, Hkv={heads_kv} or H={heads}" if heads_kv != heads else f"1 or H={heads}"
+            label, allowed_text = (
+                ("batch", f"1 or B={batch}"),
+                ("heads", heads_text),
+                ("queries", f"1 or Sq={seqlen_q}"),
+                ("keys", f"1 or Sk={seqlen_k}"),
+            )[dim]
             raise ValueError(
                 f"{name}: expected dim {index} ({label}) to be {allowed_text}, got {size}"
             )

@@ -73,6 +73,8 @@ def target_arch(device: torch.device | None = None) -> str:
         return override
     if device is not None and device.type != "cuda":
         raise ValueError(f"device: expected a CUDA device, got {device}")
+    if device is not None and device.index is not None:
+        return device_arch(device.index)  # a CUDA tensor's device: no availability query
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"no CUDA device to compile for; set {ARCH_ENV} to one of "

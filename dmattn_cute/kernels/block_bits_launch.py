@@ -65,16 +65,29 @@ def block_bits(
     """
     view = mask_view(mask, seqlen_q, seqlen_k)
     shape = block_bits_shape(view, seqlen_q, seqlen_k, tile_m, tile_n)
-    spec = block_bits_spec(view, seqlen_k, tile_m, tile_n)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.uint8, device=view.device)
-    elif tuple(out.shape) != shape or out.dtype != torch.uint8:
+    if out is not None and (tuple(out.shape) != shape or out.dtype != torch.uint8):
         raise ValueError(
             f"out: expected a uint8 tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}"
         )
-    kernel = compiled(spec, target_arch(view.device))
-    kernel(view, out, seqlen_q, seqlen_k)
+    spec = block_bits_spec(view, seqlen_k, tile_m, tile_n)
+    return launch_block_bits(view, spec, seqlen_q, seqlen_k, target_arch(view.device), out)
+
+
+def launch_block_bits(
+    view: torch.Tensor,
+    spec: BlockBitsSpec,
+    seqlen_q: int,
+    seqlen_k: int,
+    arch: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """block_bits on a kernel view (mask_view) whose variant the caller already knows (the
+    forward launch: its mask view and operand spec are the forward's own)."""
+    if out is None:
+        shape = block_bits_shape(view, seqlen_q, seqlen_k, spec.tile_m, spec.tile_n)
+        out = torch.empty(shape, dtype=torch.uint8, device=view.device)
+    compiled(spec, arch)(view, out, seqlen_q, seqlen_k)
     return out
 
 
-__all__ = ["block_bits", "block_bits_shape", "block_bits_spec", "mask_view"]
+__all__ = ["block_bits", "block_bits_shape", "block_bits_spec", "launch_block_bits", "mask_view"]

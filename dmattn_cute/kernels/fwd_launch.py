@@ -14,10 +14,11 @@ from ..jit.arch import target_arch
 from ..jit.cache import compiled
 from ..problem import Problem
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import block_bits, block_bits_spec
+from .block_bits_launch import block_bits_spec, launch_block_bits
 from .fwd import FwdScalars, FwdSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view
 from .sm90.fwd import Sm90FwdSpec
+from .spec import OperandSpec
 
 
 def forward_spec_of(
@@ -39,12 +40,19 @@ def fwd_spec(
 ) -> FwdSpec | Sm90FwdSpec:
     """The forward variant for a problem (mask/bias: kernel views from launch.operand_view):
     the warp-specialized wgmma kernel on sm_90a, the mma.sync kernel elsewhere."""
+    seqlen_k = problem.seqlen_k
+    return _build(problem, operand_spec(mask, seqlen_k), operand_spec(bias, seqlen_k), arch)
+
+
+def _build(
+    problem: Problem, mask: OperandSpec | None, bias: OperandSpec | None, arch: str
+) -> FwdSpec | Sm90FwdSpec:
     return forward_family(arch).build(
         arch,
         dtype_name(problem.dtype),
         problem.head_dim,
-        operand_spec(mask, problem.seqlen_k),
-        operand_spec(bias, problem.seqlen_k),
+        mask,
+        bias,
         problem.has_window,
         problem.softcap > 0,
     )
@@ -62,11 +70,13 @@ def bits_spec_of(
 
 
 def mask_block_bits(
-    mask: torch.Tensor, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int
+    mask: torch.Tensor, mask_spec: OperandSpec, problem: Problem, spec: Sm90FwdSpec, arch: str
 ) -> torch.Tensor:
-    """The block bits of a mask view (block_bits_launch.block_bits) for the forward's tiles,
-    indexed like the mask: stride 0 on its broadcast batch and head dims."""
-    bits = block_bits(mask, seqlen_q, seqlen_k, tile_m, tile_n)
+    """The block bits (block_bits_launch) of the forward's mask kernel view, whose operand spec
+    the forward's variant was picked by, for the forward's tiles; indexed like the mask:
+    stride 0 on its broadcast batch and head dims."""
+    bits_spec = BlockBitsSpec(mask_spec, spec.tile.tile_m, spec.tile.tile_n)
+    bits = launch_block_bits(mask, bits_spec, problem.seqlen_q, problem.seqlen_k, arch)
     strides = [0 if bits.shape[d] == 1 else bits.stride(d) for d in range(2)]
     return bits.as_strided(bits.shape, (*strides, *bits.stride()[2:]))
 
@@ -104,15 +114,14 @@ def flash_fwd(
             problem.batch, problem.num_heads, 2, problem.seqlen_q, dtype=torch.float32,
             device=q.device,
         )  # fmt: skip
-    spec = fwd_spec(problem, mask, bias, arch)
+    mask_spec = operand_spec(mask, problem.seqlen_k)
+    spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch)
     kernel = compiled(spec, arch)
     scalars = kernel_scalars(FwdScalars, problem, mask, bias)
     if isinstance(spec, Sm90FwdSpec):
         bits = None
         if mask is not None:
-            bits = mask_block_bits(
-                mask, problem.seqlen_q, problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n
-            )
+            bits = mask_block_bits(mask, mask_spec, problem, spec, arch)
         kernel(q, k, v, out, lse, stats, mask, bias, bits, *scalars)
     else:
         kernel(q, k, v, out, lse, stats, mask, bias, *scalars)
