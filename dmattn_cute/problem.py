@@ -219,7 +219,9 @@ def check_broadcast(
     for index, (dim, size) in enumerate(zip(dims, t.shape, strict=True)):
         if size not in allowed[dim]:
             # the message is built only here: this check runs on every call
-            heads_text = f"1, Hkv={heads_kv} or H={heads}" if heads_kv != heads else f"1 or H={heads}"
+            heads_text = (
+                f"1, Hkv={heads_kv} or H={heads}" if heads_kv != heads else f"1 or H={heads}"
+            )
             label, allowed_text = (
                 ("batch", f"1 or B={batch}"),
                 ("heads", heads_text),
