@@ -28,34 +28,24 @@ def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
 
 
 def acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
-    """Re-read an m16n8 accumulator layout as an m16n8k16 A operand layout.
+    """Re-read a 16-bit accumulator layout as the register A operand of a k16 MMA: two
+    neighbouring n8 atoms of C make one k16 atom of A.
 
-    Two neighbouring n8 atoms of C make one k16 atom of A:
-    (4, MMA_M, MMA_N) -> ((4, 2), MMA_M, MMA_N / 2).
+    mma.sync (m16n8 C): (4, MMA_M, MMA_N) -> ((4, 2), MMA_M, MMA_N / 2);
+    wgmma: ((2, 2, N / 8), MMA_M, MMA_N) -> ((2, 2, 2), MMA_M, (N / 16, MMA_N)).
     """
+    if cutlass.const_expr(cute.rank(acc_layout.shape[0]) == 3):
+        div = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+        (pair, half, (k2, n16)), rows, cols = div.shape
+        (s_pair, s_half, (s_k2, s_n16)), s_rows, s_cols = div.stride
+        return cute.make_layout(
+            ((pair, half, k2), rows, (n16, cols)),
+            stride=((s_pair, s_half, s_k2), s_rows, (s_n16, s_cols)),
+        )
     div = cute.logical_divide(acc_layout, (None, None, 2))
     return cute.make_layout(
         ((div.shape[0], div.shape[2][0]), div.shape[1], div.shape[2][1]),
         stride=((div.stride[0], div.stride[2][0]), div.stride[1], div.stride[2][1]),
-    )
-
-
-def wgmma_acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
-    """Re-read a 16-bit wgmma accumulator layout ((2, 2, N / 8), MMA_M, MMA_N) as the register
-    A operand of a k16 wgmma: two neighbouring n8 atoms make one k16 atom,
-    ((2, 2, 2), MMA_M, (N / 16, MMA_N))."""
-    div = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
-    return cute.make_layout(
-        (
-            (div.shape[0][0], div.shape[0][1], div.shape[0][2][0]),
-            div.shape[1],
-            (div.shape[0][2][1], div.shape[2]),
-        ),
-        stride=(
-            (div.stride[0][0], div.stride[0][1], div.stride[0][2][0]),
-            div.stride[1],
-            (div.stride[0][2][1], div.stride[2]),
-        ),
     )
 
 

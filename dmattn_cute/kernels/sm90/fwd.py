@@ -64,7 +64,7 @@ from ..masking import FULL, VISIBLE
 from ..scores import Scores
 from ..softmax import OnlineSoftmax
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
-from ..utils import acc_mn_view, round_pairs, wgmma_acc_as_a_operand
+from ..utils import acc_as_a_operand, acc_mn_view, round_pairs
 
 # Named barriers (0 is the CTA-wide one).
 _EPILOGUE_BARRIER = 1  # the consumers, before O overwrites sQ and before its TMA store
@@ -549,7 +549,7 @@ class FlashFwdSm90:
         acc_O.fill(0.0)
         s_shape = wg_qk.partition_shape_C((tm, tn))
         rP = cute.make_rmem_tensor(s_shape, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, wgmma_acc_as_a_operand(rP.layout))
+        tOrP = cute.make_tensor(rP.iterator, acc_as_a_operand(rP.layout))
         # (row, col) of every score this thread holds, per key block
         tScS = thr_qk.partition_C(
             cute.local_tile(
@@ -586,18 +586,9 @@ class FlashFwdSm90:
             )
             pipe_k.consumer_release(state)
             self.finish_scores(
-                scores,
-                acc_S,
-                views,
-                pipe_tiles,
-                pipe_bias,
-                state,
-                bits,
-                limits,
-                tScS,
-                m_block,
-                n_block,
-            )
+                scores, acc_S, views, pipe_tiles, pipe_bias, state, bits, limits, tScS,
+                m_block, n_block,
+            )  # fmt: skip
             softmax.probabilities(acc_S)  # O is still 0: nothing to rescale
             round_pairs(acc_S, rP)
             n_block = self.prev_visible(bits, n_block - 1, n_block_min)
@@ -609,31 +600,18 @@ class FlashFwdSm90:
                 pipe_k.consumer_wait(state)
                 self.turn_wait(wg)
                 wgmma(
-                    tiled_mma_qk,
-                    acc_S,
-                    tSrQ,
-                    tSrK[None, None, None, state.index],
-                    self.bias_first,
-                    -1,
-                )
+                    tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index],
+                    self.bias_first, -1,
+                )  # fmt: skip
                 pipe_v.consumer_wait(prev)
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], True, -1)
                 self.turn_pass(wg)
                 warpgroup.wait_group(1)  # S of this block is complete
                 pipe_k.consumer_release(state)
                 self.finish_scores(
-                    scores,
-                    acc_S,
-                    views,
-                    pipe_tiles,
-                    pipe_bias,
-                    state,
-                    bits,
-                    limits,
-                    tScS,
-                    m_block,
-                    n_block,
-                )
+                    scores, acc_S, views, pipe_tiles, pipe_bias, state, bits, limits, tScS,
+                    m_block, n_block,
+                )  # fmt: skip
                 correction = softmax.probabilities(acc_S)
                 warpgroup.wait_group(0)  # P V of the previous block is complete: P, V are free
                 pipe_v.consumer_release(prev)
