@@ -14,6 +14,7 @@ from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
 from dmattn_cute.kernels.config import smem_total
 from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
 from dmattn_cute.kernels.fwd_launch import forward_family
+from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 
 pytestmark = [
@@ -248,6 +249,28 @@ def test_bwd_variants_compile(target, mask, bias, dbias, window, softcap, det, f
     ptx = check_bwd_ptx(target, spec)
     if det:  # the dq turn counters are read with acquire and written with release semantics
         assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "window", "softcap"),
+    [(32, "bf16", False, False), (40, "fp16", True, False), (64, "bf16", False, True),
+     (96, "fp16", False, False), (128, "bf16", True, True), (128, "fp16", False, False),
+     (160, "bf16", False, False), (192, "fp16", True, False), (256, "bf16", False, True)],
+)  # fmt: skip
+def test_hopper_bwd_compiles(head_dim: int, dtype: str, window: bool, softcap: bool) -> None:
+    """The Hopper backward: Q/dO/K/V by TMA, five wgmma GEMMs, dQ added by a TMA reduce-add
+    (no atomics), dK/dV stored by TMA, the producer's registers handed to the MMA
+    warpgroups."""
+    spec = Sm90BwdSpec.build("sm_90a", dtype, head_dim, window, softcap)
+    assert spec.smem_bytes() <= smem_capacity("sm_90a")
+    ptx = fwd_ptx("sm_90a", spec)
+    assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == ["sm_90a"]
+    assert "wgmma.mma_async.sync.aligned" in ptx
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\S*add", ptx)
+    assert not re.search(r"\b(red|atom)\.global", ptx)
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert "mma.sync" not in ptx and "ldmatrix" not in ptx
 
 
 # (mask, tile_m, tile_n, a regex of its loads in the PTX): 16-byte rows, a query-broadcast row

@@ -12,10 +12,15 @@ import pytest
 import torch
 
 from dmattn_cute import precompile
-from dmattn_cute.jit import cache
+from dmattn_cute.jit import cache, smem_capacity
+from dmattn_cute.kernels.bwd import BwdSpec
+from dmattn_cute.kernels.bwd_launch import backward_spec_of
 from dmattn_cute.kernels.fwd import FwdSpec
 from dmattn_cute.kernels.fwd_launch import forward_family
+from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
+from dmattn_cute.problem import make_problem
+from tests.utils import random_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -178,3 +183,19 @@ def test_forward_family_per_arch(arch: str) -> None:
     pattern = precompile.call_patterns(["bf16"], [64])[0]
     (fwd,) = [spec for kind, spec in precompile.kernel_specs(pattern, arch) if kind == "fwd"]
     assert isinstance(fwd, forward_family(arch))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90a"])
+@pytest.mark.parametrize("case", ["dense", "mask", "bias", "deterministic"])
+def test_backward_kernel_per_arch(arch: str, case: str) -> None:
+    """Hopper runs the warp-specialized backward without mask, bias or deterministic order;
+    every other call (and every call on SM80/86/89) the mma.sync one."""
+    q, k, v, _, _ = random_inputs(2, 100, 140, 4, 2, 64, torch.bfloat16, "cpu")
+    mask = torch.ones(2, 2, 100, 140, dtype=torch.bool) if case == "mask" else None
+    bias = torch.zeros(2, 2, 100, 140) if case == "bias" else None
+    det = case == "deterministic"
+    problem, mask4, bias4 = make_problem(q, k, v, mask, bias, None, True, 0.0, (-1, -1), det)
+    spec = backward_spec_of(problem, mask4, bias4, bias is not None, arch)
+    hopper = arch == "sm_90a" and case == "dense"
+    assert isinstance(spec, Sm90BwdSpec if hopper else BwdSpec)
+    assert spec.smem_bytes() <= smem_capacity(arch)

@@ -2,7 +2,8 @@
 and the fp32 -> input dtype casts.
 
 dq is accumulated in fp32 ([B, Sq, H, D], zeroed here) and cast at the end; dk and dv are
-written by the kernel in the input dtype. dbias is either written by the kernel in the bias
+written by the kernel in the input dtype. On sm_90a a call without mask, bias or deterministic
+order runs the Hopper kernel (kernels/sm90/bwd.py), every other call the mma.sync kernel. dbias is either written by the kernel in the bias
 dtype, or accumulated in an fp32 buffer of the bias's shape and cast (see kernels/bwd.py).
 """
 
@@ -16,6 +17,7 @@ from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
 from .bwd import BwdScalars, BwdSpec, DbiasSpec
 from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view, stride_kinds
+from .sm90.bwd import Sm90BwdSpec
 
 
 def dbias_plan(problem: Problem, bias_shape: torch.Size) -> tuple[str, bool, bool]:
@@ -47,9 +49,14 @@ def bwd_spec(
     kind: str,
     fold: tuple[bool, bool],
     arch: str,
-) -> BwdSpec:
+) -> BwdSpec | Sm90BwdSpec:
     """The backward variant for a problem (mask/bias: kernel views from launch.operand_view;
     dbias_buf: the broadcast view the kernel writes, None for no dbias work)."""
+    if arch == "sm_90a" and mask is None and bias is None and not problem.deterministic:
+        return Sm90BwdSpec.build(
+            arch, dtype_name(problem.dtype), problem.head_dim, problem.has_window,
+            problem.softcap > 0,
+        )  # fmt: skip
     dbias = None
     if dbias_buf is not None:
         dbias = DbiasSpec(
@@ -101,7 +108,7 @@ def backward_spec_of(
     bias: torch.Tensor | None,
     bias_grad: bool,
     arch: str,
-) -> BwdSpec:
+) -> BwdSpec | Sm90BwdSpec:
     """The backward variant a call runs (mask/bias: normalized 4-D views; tensors may be on
     the meta device, e.g. to list variants for an offline compile)."""
     mask_k, bias_k = operand_view(mask), operand_view(bias)
@@ -213,7 +220,13 @@ def flash_bwd(
         )
     kernel = compiled(spec, arch)
     scalars = kernel_scalars(BwdScalars, problem, mask_k, bias_k)
-    kernel(q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem, *scalars)
+    if isinstance(spec, Sm90BwdSpec):
+        kernel(q, k, v, dout, stats, dpsum, dq_acc, dk, dv, *scalars)
+    else:
+        kernel(
+            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
+            *scalars,
+        )  # fmt: skip
     if kind == "sum":
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)
     return dq_acc.to(q.dtype), dk, dv, dbias

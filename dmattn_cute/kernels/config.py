@@ -285,6 +285,58 @@ def sm90_fwd_tile(
     )
 
 
+@dataclass(frozen=True)
+class Sm90BwdTile:
+    """Compile-time tiling of one Hopper backward CTA: a producer warpgroup and two MMA
+    warpgroups; tile_n keys owned, tile_m query rows per step, `stages` Q/dO stages."""
+
+    tile_m: int
+    tile_n: int
+    stages: int
+
+    num_threads = 384
+
+    @property
+    def dkv_split_keys(self) -> bool:
+        """The two MMA warpgroups split dK/dV by keys (64 each); else by head-dim columns."""
+        return self.tile_n == 128
+
+
+def sm90_bwd_smem_buffers(
+    tile: Sm90BwdTile, head_dim_padded: int, elem_bytes: int
+) -> tuple[SmemBuffer, ...]:
+    """The shared memory of one Hopper backward CTA in allocation order: the pipelines'
+    mbarriers (full + empty: K/V once, Q and dO per stage), K and V (reused for dK and dV),
+    Q and dO stages, P and dS (one tile each), and the fp32 dQ tile of the bulk reduce."""
+    tm, tn, dp = tile.tile_m, tile.tile_n, head_dim_padded
+    qdo_bytes = tile.stages * tm * dp * elem_bytes
+    return (
+        SmemBuffer("mbar", 8 * 2 * (1 + 2 * tile.stages), 8),
+        SmemBuffer("k", tn * dp * elem_bytes, 1024),
+        SmemBuffer("v", tn * dp * elem_bytes, 1024),
+        SmemBuffer("q", qdo_bytes, 1024),
+        SmemBuffer("do", qdo_bytes, 1024),
+        SmemBuffer("p", tm * tn * elem_bytes, 1024),
+        SmemBuffer("ds", tm * tn * elem_bytes, 1024),
+        SmemBuffer("dq", tm * dp * 4, 1024),
+    )
+
+
+def sm90_bwd_tile(arch: str, head_dim_padded: int, elem_bytes: int) -> Sm90BwdTile:
+    """The Hopper backward tiling: 64 query rows per step; 128 keys up to head dim 128, else
+    64 (dK and dV then split by columns); two Q/dO stages when they fit, else one."""
+    tile_n = 128 if head_dim_padded <= 128 else 64
+    for stages in (2, 1):
+        tile = Sm90BwdTile(64, tile_n, stages)
+        if smem_total(sm90_bwd_smem_buffers(tile, head_dim_padded, elem_bytes)) <= smem_capacity(
+            arch
+        ):
+            return tile
+    raise ValueError(
+        f"Hopper backward tile: head_dim {head_dim_padded} does not fit the shared memory of {arch}"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------------
