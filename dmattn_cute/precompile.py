@@ -12,6 +12,7 @@ other broadcast shapes, ...) compile on first use and are cached then.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ from dmattn_cute.jit import cache
 from dmattn_cute.jit.arch import SUPPORTED_ARCHS
 from dmattn_cute.kernels.bwd_launch import backward_spec_of, preprocess_spec
 from dmattn_cute.kernels.fwd_launch import bits_spec_of, forward_spec_of
+from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, make_problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -143,10 +145,11 @@ def planned_kernels(
     if bits is not None:
         kernels.append(("bits", bits))
     if backward:
-        kernels += [
-            ("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)),
-            ("bwd", backward_spec_of(problem, mask4, bias4, bias is not None, arch)),
-        ]
+        bwd = backward_spec_of(problem, mask4, bias4, bias is not None, arch)
+        kernels += [("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)), ("bwd", bwd)]
+        if isinstance(bwd, Sm90BwdSpec) and problem.num_heads > problem.num_heads_kv:
+            # whether a group's heads are split over CTAs depends on the sizes of the call
+            kernels.append(("bwd", dataclasses.replace(bwd, split_heads=not bwd.split_heads)))
     return kernels
 
 

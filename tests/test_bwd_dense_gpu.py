@@ -63,9 +63,21 @@ def test_softcap(head_dim):
     grads_and_check(q * 4, k * 4, v, softcap=5.0, softmax_scale=0.3, is_causal=True)
 
 
-def test_long_gqa_causal():
-    """Many query blocks per key block, several heads per CTA, a ragged last block."""
-    q, k, v, _, _ = random_inputs(1, 2049, 2049, 8, 2, 128, torch.bfloat16, "cuda")
+@pytest.mark.parametrize(
+    ("batch", "heads", "heads_kv", "split"),
+    [(1, 8, 2, True), (3, 16, 8, False)],
+    ids=["heads-split", "whole-groups"],
+)
+def test_long_gqa_causal(batch, heads, heads_kv, split):
+    """Many query blocks per key block, several heads per CTA, a ragged last block; a grid
+    of 34 CTAs (each group's heads split over CTAs on sm_90a) and one of 288 (not split)."""
+    q, k, v, _, _ = random_inputs(
+        batch, 1500 + 549 * split, 1500 + 549 * split, heads, heads_kv, 128, torch.bfloat16, "cuda"
+    )
+    problem, mask4, bias4 = make_problem(q, k, v, None, None, None, True, 0.0, (-1, -1), False)
+    spec = backward_spec_of(problem, mask4, bias4, False, target_arch(), q.device)
+    if isinstance(spec, Sm90BwdSpec):
+        assert spec.split_heads == split
     grads_and_check(q, k, v, is_causal=True)
 
 

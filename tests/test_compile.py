@@ -252,22 +252,27 @@ def test_bwd_variants_compile(target, mask, bias, dbias, window, softcap, det, f
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "dtype", "window", "softcap"),
-    [(32, "bf16", False, False), (40, "fp16", True, False), (64, "bf16", False, True),
-     (96, "fp16", False, False), (128, "bf16", True, True), (128, "fp16", False, False),
-     (160, "bf16", False, False), (192, "fp16", True, False), (256, "bf16", False, True)],
+    ("head_dim", "dtype", "window", "softcap", "split"),
+    [(32, "bf16", False, False, True), (40, "fp16", True, False, False),
+     (64, "bf16", False, True, True), (96, "fp16", False, False, False),
+     (128, "bf16", True, True, False), (128, "fp16", False, False, True),
+     (160, "bf16", False, False, True), (192, "fp16", True, False, False),
+     (256, "bf16", False, True, True)],
 )  # fmt: skip
-def test_hopper_bwd_compiles(head_dim: int, dtype: str, window: bool, softcap: bool) -> None:
+def test_hopper_bwd_compiles(head_dim, dtype, window, softcap, split) -> None:
     """The Hopper backward: Q/dO/K/V by TMA, five wgmma GEMMs, dQ added by a TMA reduce-add
-    (no atomics), dK/dV stored by TMA, the producer's registers handed to the MMA
-    warpgroups."""
-    spec = Sm90BwdSpec.build("sm_90a", dtype, head_dim, window, softcap)
+    (no atomics), dK/dV stored by TMA (added by TMA reduce-add when a group's heads are split
+    over CTAs), the producer's registers handed to the MMA warpgroups."""
+    spec = Sm90BwdSpec.build("sm_90a", dtype, head_dim, window, softcap, split)
     assert spec.smem_bytes() <= smem_capacity("sm_90a")
     ptx = fwd_ptx("sm_90a", spec)
     assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == ["sm_90a"]
     assert "wgmma.mma_async.sync.aligned" in ptx
     assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx
-    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\S*add", ptx)
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\S*\.add\.", ptx)
+    # dK and dV: stored in the input dtype, or added as fp32 partial sums when split
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.\S*\.global\.shared::cta", ptx)
+    assert bool(stores) != split
     assert not re.search(r"\b(red|atom)\.global", ptx)
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx

@@ -3,11 +3,15 @@ and the fp32 -> input dtype casts.
 
 dq is accumulated in fp32 ([B, Sq, H, D], zeroed here) and cast at the end; dk and dv are
 written by the kernel in the input dtype. On sm_90a a call without mask, bias or deterministic
-order runs the Hopper kernel (kernels/sm90/bwd.py), every other call the mma.sync kernel. dbias is either written by the kernel in the bias
+order runs the Hopper kernel (kernels/sm90/bwd.py), every other call the mma.sync kernel; when
+the Hopper kernel's grid (key blocks x kv heads x batch) is under two waves of the GPU's SMs,
+a group's query heads are split over several CTAs, which add fp32 dk/dv partial sums. dbias is either written by the kernel in the bias
 dtype, or accumulated in an fp32 buffer of the bias's shape and cast (see kernels/bwd.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -41,6 +45,34 @@ def dbias_plan(problem: Problem, bias_shape: torch.Size) -> tuple[str, bool, boo
     )
 
 
+# SMs of an architecture's largest GPU (H100/H200 SXM), for plans made without a GPU.
+_PLANNING_SMS = {"sm_90a": 132}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, arch: str) -> int:
+    """SMs of `device`, or of `arch`'s largest GPU for a device that is not CUDA (planning)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _PLANNING_SMS.get(arch, 108)
+
+
+def head_splits(problem: Problem, tile_n: int, sms: int) -> int:
+    """CTAs per group of query heads in the Hopper backward: 1 when (key blocks x kv heads x
+    batch) CTAs fill two waves of `sms` SMs, else the smallest divisor of the group that does
+    (the group size if none does)."""
+    group = problem.num_heads // problem.num_heads_kv
+    ctas = problem.batch * problem.num_heads_kv * -(-problem.seqlen_k // tile_n)
+    for splits in range(1, group + 1):
+        if group % splits == 0 and ctas * splits >= 2 * sms:
+            return splits
+    return group
+
+
 def bwd_spec(
     problem: Problem,
     mask: torch.Tensor | None,
@@ -49,14 +81,17 @@ def bwd_spec(
     kind: str,
     fold: tuple[bool, bool],
     arch: str,
+    sms: int,
 ) -> BwdSpec | Sm90BwdSpec:
-    """The backward variant for a problem (mask/bias: kernel views from launch.operand_view;
-    dbias_buf: the broadcast view the kernel writes, None for no dbias work)."""
+    """The backward variant for a problem on a GPU of `sms` SMs (mask/bias: kernel views from
+    launch.operand_view; dbias_buf: the broadcast view the kernel writes, None for no dbias
+    work)."""
     if arch == "sm_90a" and mask is None and bias is None and not problem.deterministic:
-        return Sm90BwdSpec.build(
-            arch, dtype_name(problem.dtype), problem.head_dim, problem.has_window,
-            problem.softcap > 0,
-        )  # fmt: skip
+        options = (arch, dtype_name(problem.dtype), problem.head_dim, problem.has_window)
+        spec = Sm90BwdSpec.build(*options, problem.softcap > 0)
+        if head_splits(problem, spec.tile.tile_n, sms) > 1:
+            spec = Sm90BwdSpec.build(*options, problem.softcap > 0, True)
+        return spec
     dbias = None
     if dbias_buf is not None:
         dbias = DbiasSpec(
@@ -108,14 +143,17 @@ def backward_spec_of(
     bias: torch.Tensor | None,
     bias_grad: bool,
     arch: str,
+    device: torch.device | None = None,
 ) -> BwdSpec | Sm90BwdSpec:
-    """The backward variant a call runs (mask/bias: normalized 4-D views; tensors may be on
-    the meta device, e.g. to list variants for an offline compile)."""
+    """The backward variant a call runs on `device` (mask/bias: normalized 4-D views; tensors
+    may be on the meta device, e.g. to list variants for an offline compile, and without a
+    CUDA device the plan assumes `arch`'s largest GPU)."""
     mask_k, bias_k = operand_view(mask), operand_view(bias)
     # Planning only needs the buffer's strides: allocated on the meta device.
     kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta")
     dbias_view = broadcast_view(dbias_buf)
-    return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
+    sms = sm_count(device or torch.device("meta"), arch)
+    return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms)
 
 
 def preprocess_spec(dtype: torch.dtype, head_dim: int) -> BwdPreprocessSpec:
@@ -211,7 +249,8 @@ def flash_bwd(
     dbias_view = broadcast_view(dbias_buf)
 
     arch = target_arch(q.device)
-    spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch)
+    sms = sm_count(q.device, arch)
+    spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms)
     sem = None
     if problem.deterministic:
         num_m = -(-problem.seqlen_q // spec.tile.tile_m)
@@ -220,8 +259,15 @@ def flash_bwd(
         )
     kernel = compiled(spec, arch)
     scalars = kernel_scalars(BwdScalars, problem, mask_k, bias_k)
-    if isinstance(spec, Sm90BwdSpec):
-        kernel(q, k, v, dout, stats, dpsum, dq_acc, dk, dv, *scalars)
+    if isinstance(spec, Sm90BwdSpec) and spec.split_heads:
+        splits = head_splits(problem, spec.tile.tile_n, sms)
+        dk_acc, dv_acc = (
+            torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)
+        )
+        kernel(q, k, v, dout, stats, dpsum, dq_acc, dk_acc, dv_acc, splits, *scalars)
+        dk, dv = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    elif isinstance(spec, Sm90BwdSpec):
+        kernel(q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, *scalars)
     else:
         kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,

@@ -307,13 +307,14 @@ def sm90_bwd_smem_buffers(
 ) -> tuple[SmemBuffer, ...]:
     """The shared memory of one Hopper backward CTA in allocation order: the pipelines'
     mbarriers (full + empty: K/V once, Q and dO per stage), K and V (reused for dK and dV),
-    Q and dO stages, P and dS (one tile each), and the fp32 dQ tile of the bulk reduce."""
+    Q and dO stages, P and dS (one tile each), and the fp32 dQ tile of the bulk reduce. K and V
+    share one buffer: with 16-bit elements it holds an fp32 (tile_n, D) tile, the dK or dV
+    partial sum of a CTA that has only some heads of its group."""
     tm, tn, dp = tile.tile_m, tile.tile_n, head_dim_padded
     qdo_bytes = tile.stages * tm * dp * elem_bytes
     return (
         SmemBuffer("mbar", 8 * 2 * (1 + 2 * tile.stages), 8),
-        SmemBuffer("k", tn * dp * elem_bytes, 1024),
-        SmemBuffer("v", tn * dp * elem_bytes, 1024),
+        SmemBuffer("kv", 2 * tn * dp * elem_bytes, 1024),
         SmemBuffer("q", qdo_bytes, 1024),
         SmemBuffer("do", qdo_bytes, 1024),
         SmemBuffer("p", tm * tn * elem_bytes, 1024),

@@ -2,7 +2,9 @@
 
 One CTA per (key block, kv head, batch), as the SM80 backward: it keeps its K and V tiles in
 shared memory and dK, dV in registers, and walks the query heads of its group and the query
-blocks its causal/window range allows. Three warpgroups:
+blocks its causal/window range allows. When that grid is too small for the GPU (few kv heads,
+MQA), each group's query heads are split over `head_splits` CTAs (split_heads): each adds its
+fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add. Three warpgroups:
 
 - the producer (few registers): warp 0 loads K and V once, then Q and dO of every step by TMA
   into `stages` smem stages; warp 1 adds each step's dQ tile (fp32, smem) into the zeroed
@@ -12,7 +14,8 @@ blocks its causal/window range allows. Three warpgroups:
   derivative), P and dS to smem; then dV += P^T dO and dK += dS^T Q (each warpgroup its half
   of the keys, or of the head-dim columns when the key block is 64 wide) and dQ = dS K (each
   warpgroup half of the columns).
-- epilogue: dK (times the softmax scale) and dV through smem over sK / sV, stored by TMA.
+- epilogue: dK (times the softmax scale) and dV through smem over sK / sV, stored by TMA (with
+  split_heads: one after the other as fp32 tiles over sK and sV, added by TMA reduce-add).
 
 Shared memory and the order that protects it:
 - mbar: full/empty mbarriers of the K/V, Q and dO pipelines, initialized before the CTA-wide
@@ -73,22 +76,32 @@ _REGISTERS = (24, 240)
 @dataclass(frozen=True)
 class Sm90BwdSpec:
     """One Hopper backward kernel variant: the compile key, tiling and launch facts. No mask,
-    bias or deterministic order (bwd_launch runs the SM80 kernel for those)."""
+    bias or deterministic order (bwd_launch runs the SM80 kernel for those).
+
+    split_heads: dk and dv are zeroed fp32 buffers that each CTA adds its partial sums into
+    (a group's heads are split over several CTAs); else they are written in the input dtype.
+    """
 
     dtype: str
     head_dim_padded: int
     tile: Sm90BwdTile
     has_window: bool
     has_softcap: bool
+    split_heads: bool
 
     @staticmethod
     @functools.cache  # called on every launch; the tile choice is pure
     def build(
-        arch: str, dtype: str, head_dim: int, has_window: bool, has_softcap: bool
+        arch: str,
+        dtype: str,
+        head_dim: int,
+        has_window: bool,
+        has_softcap: bool,
+        split_heads: bool = False,
     ) -> Sm90BwdSpec:
         dp = padded_head_dim(head_dim)
         tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype))
-        return Sm90BwdSpec(dtype, dp, tile, has_window, has_softcap)
+        return Sm90BwdSpec(dtype, dp, tile, has_window, has_softcap, split_heads)
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:
         return sm90_bwd_smem_buffers(self.tile, self.head_dim_padded, dtype_bytes(self.dtype))
@@ -99,11 +112,15 @@ class Sm90BwdSpec:
     def example_args(self) -> list:
         """FlashBwdSm90's arguments for an offline compile (fake tensors of the launch's
         stride patterns, placeholder scalars)."""
-        q, k, v, dout, dk, dv = (fake_rows(self.dtype) for _ in range(6))
+        q, k, v, dout = (fake_rows(self.dtype) for _ in range(4))
         stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
         dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
-        dq_acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
-        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, *BwdScalars(), env_stream()]
+        dq_acc, dk, dv = (
+            fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4) for _ in range(3)
+        )
+        if not self.split_heads:
+            dk, dv = fake_rows(self.dtype), fake_rows(self.dtype)
+        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, *BwdScalars(), env_stream()]
 
     def compile(self, arch: str, extra_options: str = ""):
         return cute.compile(
@@ -158,8 +175,9 @@ class FlashBwdSm90:
         mStats: cute.Tensor,  # [B, H, 2, Sq] fp32: the forward's row max and log2 row sum
         mDpsum: cute.Tensor,  # [B, H, Sq] fp32
         mdQacc: cute.Tensor,  # [B, Sq, H, D] fp32, zeroed
-        mdK: cute.Tensor,  # [B, Sk, Hkv, D]
-        mdV: cute.Tensor,  # [B, Sk, Hkv, D]
+        mdK: cute.Tensor,  # [B, Sk, Hkv, D] (fp32, zeroed, with split_heads)
+        mdV: cute.Tensor,  # [B, Sk, Hkv, D] (fp32, zeroed, with split_heads)
+        head_splits: cutlass.Int32,  # CTAs per group of query heads (1 without split_heads)
         scale_log2: cutlass.Float32,
         bias_scale: cutlass.Float32,
         softcap_scale: cutlass.Float32,
@@ -191,6 +209,8 @@ class FlashBwdSm90:
         sV_layout = smem_layout(self.dtype, tn, dp, dkv_n)
         sPdS_layout = smem_layout(self.dtype, tm, tn, 64)
         sdQ_layout = smem_layout(cutlass.Float32, tm, dp, dp // 2)
+        # dK / dV partial sums (split_heads): fp32 over sK and sV, stored as the GEMM splits them
+        sKV32_layout = smem_layout(cutlass.Float32, tn, dp, dkv_n)
 
         # TMA views (S, D, heads, batch): one box is a (rows, D) tile of one head.
         def tma_view(t):
@@ -205,17 +225,21 @@ class FlashBwdSm90:
         )
         tma_k, tK = cpasync.make_tiled_tma_atom(load, tma_view(mK), sK_layout, (tn, dp))
         tma_v, tV = cpasync.make_tiled_tma_atom(load, tma_view(mV), sV_layout, (tn, dp))
-        tma_dk, tdK = cpasync.make_tiled_tma_atom(store, tma_view(mdK), sK_layout, (tn, dp))
-        tma_dv, tdV = cpasync.make_tiled_tma_atom(store, tma_view(mdV), sV_layout, (tn, dp))
-        tma_dq, tdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), tma_view(mdQacc), sdQ_layout, (tm, dp)
-        )
-        grid = (cute.ceil_div(mK.shape[1], tn), mK.shape[2], mK.shape[0])
+        reduce = cpasync.CopyReduceBulkTensorTileS2GOp()
+        if cutlass.const_expr(self.spec.split_heads):
+            tma_dk, tdK = cpasync.make_tiled_tma_atom(reduce, tma_view(mdK), sKV32_layout, (tn, dp))
+            tma_dv, tdV = cpasync.make_tiled_tma_atom(reduce, tma_view(mdV), sKV32_layout, (tn, dp))
+        else:
+            tma_dk, tdK = cpasync.make_tiled_tma_atom(store, tma_view(mdK), sK_layout, (tn, dp))
+            tma_dv, tdV = cpasync.make_tiled_tma_atom(store, tma_view(mdV), sV_layout, (tn, dp))
+        tma_dq, tdQ = cpasync.make_tiled_tma_atom(reduce, tma_view(mdQacc), sdQ_layout, (tm, dp))
+        grid = (cute.ceil_div(mK.shape[1], tn), mK.shape[2] * head_splits, mK.shape[0])
         self.kernel(
             tQ, tK, tV, tdO, tdK, tdV, tdQ, mQ.shape[1], mK.shape[1], mStats, mDpsum,
             tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
             scale_log2, softcap_scale, softcap, softmax_scale, window_left, window_right, group,
-            sQ_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout, mma_sdp, mma_dkv, mma_dq,
+            head_splits, sQ_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout, sKV32_layout,
+            mma_sdp, mma_dkv, mma_dq,
         ).launch(
             grid=grid, block=[self.spec.tile.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
@@ -249,11 +273,13 @@ class FlashBwdSm90:
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         group: cutlass.Int32,
+        head_splits: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sPdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout,
+        sKV32_layout: cute.ComposedLayout,
         mma_sdp: cute.TiledMma,
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
@@ -264,7 +290,11 @@ class FlashBwdSm90:
         if warp == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq):
                 cpasync.prefetch_descriptor(atom)
-        n_block, hk, b = cute.arch.block_idx()
+        n_block, hk_split, b = cute.arch.block_idx()
+        # kv head hk, and the `heads` query heads of its group from h_first on
+        hk = hk_split // head_splits
+        heads = group // head_splits
+        h_first = hk * group + (hk_split - hk * head_splits) * heads
         limits = masking.BlockLimits(
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
@@ -274,8 +304,14 @@ class FlashBwdSm90:
         smem = tiles.allocate_smem(spec.smem_buffers())
         sQ = tiles.swizzled_smem_tensor(smem["q"], self.dtype, sQ_layout)
         sdO = tiles.swizzled_smem_tensor(smem["do"], self.dtype, sQ_layout)
-        sK = tiles.swizzled_smem_tensor(smem["k"], self.dtype, sK_layout)
-        sV = tiles.swizzled_smem_tensor(smem["v"], self.dtype, sV_layout)
+        kv_ptr, kv_bytes = smem["kv"]
+        sK = tiles.swizzled_smem_tensor((kv_ptr, kv_bytes // 2), self.dtype, sK_layout)
+        sV = tiles.swizzled_smem_tensor(
+            (kv_ptr + kv_bytes // 2, kv_bytes // 2), self.dtype, sV_layout
+        )
+        sKV32 = None
+        if cutlass.const_expr(spec.split_heads):
+            sKV32 = tiles.swizzled_smem_tensor(smem["kv"], cutlass.Float32, sKV32_layout)
         sP = tiles.swizzled_smem_tensor(smem["p"], self.dtype, sPdS_layout)
         sdS = tiles.swizzled_smem_tensor(smem["ds"], self.dtype, sPdS_layout)
         sdQ = tiles.swizzled_smem_tensor(smem["dq"], cutlass.Float32, sdQ_layout)
@@ -303,23 +339,23 @@ class FlashBwdSm90:
             if warp == 0:
                 self.load(
                     tQ, tK, tV, tdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv,
-                    pipe_q, pipe_do, n_block, hk, b, group, m_block_min, m_block_max,
+                    pipe_q, pipe_do, n_block, hk, b, h_first, heads, m_block_min, m_block_max,
                 )  # fmt: skip
             if warp == 1:
-                self.reduce_dq(tdQ, sdQ, tma_dq, hk, b, group, m_block_min, m_block_max)
+                self.reduce_dq(tdQ, sdQ, tma_dq, b, h_first, heads, m_block_min, m_block_max)
         else:
             cute.arch.setmaxregister_increase(_REGISTERS[1])
             self.mma(
-                tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, mStats, mDpsum, tma_dk, tma_dv,
+                tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, mStats, mDpsum, tma_dk, tma_dv,
                 pipe_kv, pipe_q, pipe_do, mma_sdp, mma_dkv, mma_dq, limits, n_block, hk, b,
-                group, m_block_min, m_block_max, scale_log2, softcap_scale, softcap,
+                h_first, heads, m_block_min, m_block_max, scale_log2, softcap_scale, softcap,
                 softmax_scale,
             )  # fmt: skip
 
     @cute.jit
     def load(
         self, tQ, tK, tV, tdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_q,
-        pipe_do, n_block, hk, b, group, m_block_min, m_block_max,
+        pipe_do, n_block, hk, b, h_first, heads, m_block_min, m_block_max,
     ):  # fmt: skip
         """Warp 0: K and V once, then Q and dO of every (head, query block) step, each into
         the next free stage (gmem -> smem by TMA)."""
@@ -335,8 +371,7 @@ class FlashBwdSm90:
             )
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for hi in cutlass.range(group, unroll=1):
-            h = hk * group + hi
+        for h in cutlass.range(h_first, h_first + heads, unroll=1):
             gQ = cute.local_tile(tQ[None, None, h, b], (tm, dp), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
@@ -359,13 +394,12 @@ class FlashBwdSm90:
                 state.advance()
 
     @cute.jit
-    def reduce_dq(self, tdQ, sdQ, tma_dq, hk, b, group, m_block_min, m_block_max):
+    def reduce_dq(self, tdQ, sdQ, tma_dq, b, h_first, heads, m_block_min, m_block_max):
         """Warp 1: every step's dQ tile (smem, fp32) added into the dQ accumulator by a TMA
         reduce-add; rows past Sq and columns past D are not written."""
         tm, dp = self.tile_m, self.head_dim_padded
         count = _MMA_THREADS + 32
-        for hi in cutlass.range(group, unroll=1):
-            h = hk * group + hi
+        for h in cutlass.range(h_first, h_first + heads, unroll=1):
             gdQ = cute.local_tile(tdQ[None, None, h, b], (tm, dp), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
                 tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
@@ -381,9 +415,9 @@ class FlashBwdSm90:
 
     @cute.jit
     def mma(
-        self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, mStats, mDpsum, tma_dk, tma_dv, pipe_kv,
-        pipe_q, pipe_do, mma_sdp, mma_dkv, mma_dq, limits, n_block, hk, b, group, m_block_min,
-        m_block_max, scale_log2, softcap_scale, softcap, softmax_scale,
+        self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, mStats, mDpsum, tma_dk, tma_dv,
+        pipe_kv, pipe_q, pipe_do, mma_sdp, mma_dkv, mma_dq, limits, n_block, hk, b, h_first,
+        heads, m_block_min, m_block_max, scale_log2, softcap_scale, softcap, softmax_scale,
     ):  # fmt: skip
         """An MMA warpgroup: every step's five GEMMs and pointwise work, then the epilogue."""
         spec = self.spec
@@ -433,8 +467,7 @@ class FlashBwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
-        for hi in cutlass.range(group, unroll=1):
-            h = hk * group + hi
+        for h in cutlass.range(h_first, h_first + heads, unroll=1):
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 coord = tScS[None, None, None, m_block]
                 # ---- S = Q K^T and dP = dO V^T (issued together) ----
@@ -480,20 +513,40 @@ class FlashBwdSm90:
         acc_dK.store(acc_dK.load() * softmax_scale)
         # Both warpgroups' GEMMs that read sK / sV have completed.
         cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=_MMA_THREADS)
-        tiles.acc_to_smem(acc_dK, self.dtype, r2s, mma_dkv, tidx, sK)
-        tiles.acc_to_smem(acc_dV, self.dtype, r2s, mma_dkv, tidx, sV)
-        cute.arch.fence_view_async_shared()  # generic-proxy smem writes, read by the TMA store
+        if cutlass.const_expr(not spec.split_heads):
+            tiles.acc_to_smem(acc_dK, self.dtype, r2s, mma_dkv, tidx, sK)
+            tiles.acc_to_smem(acc_dV, self.dtype, r2s, mma_dkv, tidx, sV)
+            self.store_tiles(((tma_dk, tdK, sK), (tma_dv, tdV, sV)), n_block, hk, b, tidx)
+        else:
+            # fp32 partial sums, one after the other over sK and sV, added by TMA reduce-add
+            self.store_tiles(((tma_dk, tdK, sKV32),), n_block, hk, b, tidx, acc_dK, mma_dkv)
+            # the reduce has read the tile before dV overwrites it
+            cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=_MMA_THREADS)
+            self.store_tiles(((tma_dv, tdV, sKV32),), n_block, hk, b, tidx, acc_dV, mma_dkv)
+
+    @cute.jit
+    def store_tiles(self, stores, n_block, hk, b, tidx, acc=None, tiled_mma=None):
+        """(atom, TMA view, smem tile) of each store: the (tile_n, D) tiles of key block n_block
+        (smem -> gmem; rows past Sk and columns past D are not written), after `acc` (fp32)
+        is written to the one smem tile when given. Returns once the stores have read smem."""
+        tn, dp = self.tile_n, self.head_dim_padded
+        if cutlass.const_expr(acc is not None):
+            r2s_f32 = cute.make_copy_atom(
+                cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=64
+            )
+            tiles.acc_to_smem(acc, cutlass.Float32, r2s_f32, tiled_mma, tidx, stores[0][2])
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes, read by the TMA
         cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=_MMA_THREADS)
         if tidx < 32:
-            for atom, tX, sX in ((tma_dk, tdK, sK), (tma_dv, tdV, sV)):
+            for atom, tX, sX in stores:
                 gX = cute.local_tile(tX[None, None, hk, b], (tn, dp), (n_block, 0))
                 tXsX, tXgX = cpasync.tma_partition(
                     atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                     cute.group_modes(gX, 0, 2),
                 )  # fmt: skip
-                cute.copy(atom, tXsX, tXgX)  # rows past Sk and columns past D are not stored
+                cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem is read before the exit
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def probabilities(
