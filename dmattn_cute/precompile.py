@@ -26,7 +26,11 @@ import torch
 
 from dmattn_cute.jit import cache
 from dmattn_cute.jit.arch import SUPPORTED_ARCHS
-from dmattn_cute.kernels.bwd_launch import backward_spec_of, preprocess_spec
+from dmattn_cute.kernels.bwd_launch import (
+    backward_bits_spec_of,
+    backward_spec_of,
+    preprocess_spec,
+)
 from dmattn_cute.kernels.fwd_launch import bits_spec_of, forward_spec_of
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, make_problem
@@ -128,7 +132,12 @@ def kernel_specs(pattern: CallPattern, arch: str, device: str = "meta") -> list[
     """(kind, spec) of every kernel a call of `pattern` runs, forward and backward, planned on
     tensors of `device`."""
     q, k, v, mask, bias = pattern.inputs(device)
-    return planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
+    kernels = planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
+    for kind, spec in list(kernels):
+        if isinstance(spec, Sm90BwdSpec) and q.shape[2] > k.shape[2]:
+            # whether a group's heads are split over CTAs depends on the sizes of the call
+            kernels.append((kind, dataclasses.replace(spec, split_heads=not spec.split_heads)))
+    return kernels
 
 
 def planned_kernels(
@@ -147,9 +156,9 @@ def planned_kernels(
     if backward:
         bwd = backward_spec_of(problem, mask4, bias4, bias is not None, arch)
         kernels += [("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)), ("bwd", bwd)]
-        if isinstance(bwd, Sm90BwdSpec) and problem.num_heads > problem.num_heads_kv:
-            # whether a group's heads are split over CTAs depends on the sizes of the call
-            kernels.append(("bwd", dataclasses.replace(bwd, split_heads=not bwd.split_heads)))
+        bwd_bits = backward_bits_spec_of(bwd)
+        if bwd_bits is not None:
+            kernels.append(("bits", bwd_bits))
     return kernels
 
 

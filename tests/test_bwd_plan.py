@@ -41,9 +41,16 @@ def test_hopper_spec_splits_small_grids(heads_kv, split):
 
 
 def test_precompile_covers_both_hopper_variants():
+    """A GQA call pattern compiles the Hopper backward with and without the heads split
+    (which one a call runs depends on its sizes); an MHA one has nothing to split."""
     patterns = precompile.call_patterns(["bf16"], [128])
-    specs = [spec for _, spec in precompile.variants("sm_90a", patterns)]
-    hopper = [spec for spec in specs if isinstance(spec, Sm90BwdSpec)]
-    assert hopper
-    for spec in hopper:
-        assert dataclasses.replace(spec, split_heads=not spec.split_heads) in specs
+    for pattern in patterns:
+        specs = [spec for kind, spec in precompile.kernel_specs(pattern, "sm_90a")]
+        hopper = [spec for spec in specs if isinstance(spec, Sm90BwdSpec)]
+        if pattern.deterministic:
+            assert not hopper
+            continue
+        splits = {spec.split_heads for spec in hopper}
+        assert splits == ({False, True} if pattern.heads[0] > pattern.heads[1] else {False})
+        for spec in hopper:
+            assert dataclasses.replace(spec, split_heads=False) in specs

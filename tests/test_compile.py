@@ -16,6 +16,7 @@ from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
 from dmattn_cute.kernels.fwd_launch import forward_family
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
+from dmattn_cute.kernels.spec import dtype_bytes
 
 pytestmark = [
     pytest.mark.compile,
@@ -251,19 +252,29 @@ def test_bwd_variants_compile(target, mask, bias, dbias, window, softcap, det, f
         assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx
 
 
+DBIAS_SUM_ATOMIC = DbiasSpec("fp32", ("0", "d", "d", "1"), False, False, True)
+
+
 @pytest.mark.parametrize(
-    ("head_dim", "dtype", "window", "softcap", "split"),
-    [(32, "bf16", False, False, True), (40, "fp16", True, False, False),
-     (64, "bf16", False, True, True), (96, "fp16", False, False, False),
-     (128, "bf16", True, True, False), (128, "fp16", False, False, True),
-     (160, "bf16", False, False, True), (192, "fp16", True, False, False),
-     (256, "bf16", False, True, True)],
+    ("head_dim", "dtype", "mask", "bias", "dbias", "window", "softcap", "split"),
+    [(32, "bf16", None, None, None, False, False, True),
+     (40, "fp16", FULL_MASK, None, None, True, False, False),
+     (64, "bf16", None, None, None, False, True, True),
+     (96, "fp16", FULL_MASK, ROW_BIAS_FP32, DBIAS_ROWS_ATOMIC, False, False, False),
+     (128, "bf16", None, None, None, True, True, False),
+     (128, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT, False, False, True),
+     (128, "bf16", KEY_BCAST_MASK, UNALIGNED_BIAS, DBIAS_SUM_ATOMIC, True, True, False),
+     (160, "bf16", None, FULL_BIAS, None, False, True, True),
+     (192, "fp16", FULL_MASK, None, None, True, False, False),
+     (256, "bf16", None, None, None, False, True, True),
+     (256, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT, True, False, False)],
 )  # fmt: skip
-def test_hopper_bwd_compiles(head_dim, dtype, window, softcap, split) -> None:
+def test_hopper_bwd_compiles(head_dim, dtype, mask, bias, dbias, window, softcap, split) -> None:
     """The Hopper backward: Q/dO/K/V by TMA, five wgmma GEMMs, dQ added by a TMA reduce-add
     (no atomics), dK/dV stored by TMA (added by TMA reduce-add when a group's heads are split
-    over CTAs), the producer's registers handed to the MMA warpgroups."""
-    spec = Sm90BwdSpec.build("sm_90a", dtype, head_dim, window, softcap, split)
+    over CTAs), mask/bias tiles by cp.async, dbias stored or added by atomics, the producer's
+    registers handed to the MMA warpgroups."""
+    spec = Sm90BwdSpec.build("sm_90a", dtype, head_dim, mask, bias, dbias, window, softcap, split)
     assert spec.smem_bytes() <= smem_capacity("sm_90a")
     ptx = fwd_ptx("sm_90a", spec)
     assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == ["sm_90a"]
@@ -273,7 +284,12 @@ def test_hopper_bwd_compiles(head_dim, dtype, window, softcap, split) -> None:
     # dK and dV: stored in the input dtype, or added as fp32 partial sums when split
     stores = re.findall(r"cp\.async\.bulk\.tensor\.\S*\.global\.shared::cta", ptx)
     assert bool(stores) != split
-    assert not re.search(r"\b(red|atom)\.global", ptx)
+    atomics = re.search(r"\b(red|atom)\.global", ptx) is not None
+    assert atomics == (dbias is not None and not dbias.direct)
+    # mask/bias tiles by cp.async, but for copies under 4 bytes (plain loads and stores)
+    tile_copies = re.search(r"cp\.async\.c[ag]\.shared\.global", ptx) is not None
+    wide = [op for op in (mask, bias) if op is not None and op.vec * dtype_bytes(op.dtype) >= 4]
+    assert tile_copies == bool(wide)
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx
 

@@ -14,6 +14,7 @@ import torch
 from dmattn_cute.kernels.bwd import BwdScalars, BwdSpec, FlashBwd
 from dmattn_cute.kernels.fwd import FlashFwd, FwdScalars, FwdSpec
 from dmattn_cute.kernels.launch import kernel_scalars
+from dmattn_cute.kernels.sm90.bwd import FlashBwdSm90, Sm90BwdSpec
 from dmattn_cute.kernels.sm90.fwd import FlashFwdSm90, Sm90FwdSpec
 from dmattn_cute.problem import Problem
 
@@ -137,6 +138,9 @@ def _scalar_params(kernel: type) -> list[str]:
                      id="fwd_sm90"),
         pytest.param(FlashBwd, BwdScalars, BwdSpec.build("sm_80", "bf16", 64, *[None] * 3,
                                                          False, False, True), id="bwd"),
+        pytest.param(FlashBwdSm90, BwdScalars, Sm90BwdSpec.build("sm_90a", "bf16", 64,
+                                                                 *[None] * 3, False, False),
+                     id="bwd_sm90"),
     ],
 )  # fmt: skip
 def test_named_scalars_are_the_kernel_parameters(kernel, scalars, spec) -> None:

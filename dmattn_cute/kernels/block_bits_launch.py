@@ -11,6 +11,7 @@ from ..jit.cache import compiled
 from ..problem import broadcast_view
 from .block_bits import BlockBitsSpec
 from .launch import operand_spec, operand_view
+from .spec import OperandSpec
 
 
 def mask_view(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
@@ -91,3 +92,15 @@ def launch_block_bits(
 
 
 __all__ = ["block_bits", "block_bits_shape", "block_bits_spec", "launch_block_bits", "mask_view"]
+
+
+def mask_block_bits(
+    mask: torch.Tensor, mask_spec: OperandSpec, seqlen_q: int, seqlen_k: int, tile: tuple[int, int],
+    arch: str,
+) -> torch.Tensor:  # fmt: skip
+    """The block bits of a kernel's mask view, whose operand spec the kernel's variant was
+    picked by, for its (tile_m, tile_n) tiles; indexed like the mask: stride 0 on its broadcast
+    batch and head dims."""
+    bits = launch_block_bits(mask, BlockBitsSpec(mask_spec, *tile), seqlen_q, seqlen_k, arch)
+    strides = [0 if bits.shape[d] == 1 else bits.stride(d) for d in range(2)]
+    return bits.as_strided(bits.shape, (*strides, *bits.stride()[2:]))

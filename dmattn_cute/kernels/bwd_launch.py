@@ -11,6 +11,7 @@ dtype, or accumulated in an fp32 buffer of the bias's shape and cast (see kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -18,6 +19,8 @@ import torch
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
 from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
+from .block_bits import BlockBitsSpec
+from .block_bits_launch import mask_block_bits
 from .bwd import BwdScalars, BwdSpec, DbiasSpec
 from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view, stride_kinds
@@ -86,12 +89,6 @@ def bwd_spec(
     """The backward variant for a problem on a GPU of `sms` SMs (mask/bias: kernel views from
     launch.operand_view; dbias_buf: the broadcast view the kernel writes, None for no dbias
     work)."""
-    if arch == "sm_90a" and mask is None and bias is None and not problem.deterministic:
-        options = (arch, dtype_name(problem.dtype), problem.head_dim, problem.has_window)
-        spec = Sm90BwdSpec.build(*options, problem.softcap > 0)
-        if head_splits(problem, spec.tile.tile_n, sms) > 1:
-            spec = Sm90BwdSpec.build(*options, problem.softcap > 0, True)
-        return spec
     dbias = None
     if dbias_buf is not None:
         dbias = DbiasSpec(
@@ -101,17 +98,20 @@ def bwd_spec(
             direct=kind == "direct",
             atomic=not problem.deterministic,
         )
+    dtype = dtype_name(problem.dtype)
+    operands = (operand_spec(mask, problem.seqlen_k), operand_spec(bias, problem.seqlen_k))
+    flags = (problem.has_window, problem.softcap > 0)
+    if arch == "sm_90a" and not problem.deterministic:
+        try:
+            spec = Sm90BwdSpec.build(arch, dtype, problem.head_dim, *operands, dbias, *flags)
+        except ValueError:
+            spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
+        if spec is not None:
+            if head_splits(problem, spec.tile.tile_n, sms) > 1:
+                spec = dataclasses.replace(spec, split_heads=True)
+            return spec
     return BwdSpec.build(
-        arch,
-        dtype_name(problem.dtype),
-        problem.head_dim,
-        operand_spec(mask, problem.seqlen_k),
-        operand_spec(bias, problem.seqlen_k),
-        dbias,
-        problem.has_window,
-        problem.softcap > 0,
-        problem.deterministic,
-        *fold,
+        arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic, *fold
     )
 
 
@@ -154,6 +154,14 @@ def backward_spec_of(
     dbias_view = broadcast_view(dbias_buf)
     sms = sm_count(device or torch.device("meta"), arch)
     return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms)
+
+
+def backward_bits_spec_of(spec: BwdSpec | Sm90BwdSpec) -> BlockBitsSpec | None:
+    """The block-bits pre-pass a backward variant runs first (the Hopper kernel with a mask,
+    for its own tiles), or None."""
+    if not isinstance(spec, Sm90BwdSpec) or spec.mask is None:
+        return None
+    return BlockBitsSpec(spec.mask, spec.tile.tile_m, spec.tile.tile_n)
 
 
 def preprocess_spec(dtype: torch.dtype, head_dim: int) -> BwdPreprocessSpec:
@@ -259,15 +267,21 @@ def flash_bwd(
         )
     kernel = compiled(spec, arch)
     scalars = kernel_scalars(BwdScalars, problem, mask_k, bias_k)
-    if isinstance(spec, Sm90BwdSpec) and spec.split_heads:
-        splits = head_splits(problem, spec.tile.tile_n, sms)
-        dk_acc, dv_acc = (
-            torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)
-        )
-        kernel(q, k, v, dout, stats, dpsum, dq_acc, dk_acc, dv_acc, splits, *scalars)
-        dk, dv = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-    elif isinstance(spec, Sm90BwdSpec):
-        kernel(q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, *scalars)
+    if isinstance(spec, Sm90BwdSpec):
+        bits = None
+        if mask_k is not None:
+            tile = (spec.tile.tile_m, spec.tile.tile_n)
+            bits = mask_block_bits(
+                mask_k, spec.mask, problem.seqlen_q, problem.seqlen_k, tile, arch
+            )
+        splits = head_splits(problem, spec.tile.tile_n, sms) if spec.split_heads else 1
+        if spec.split_heads:  # fp32 partial sums of the CTAs that share a kv head
+            dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        kernel(
+            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, splits, mask_k, bias_k, bits,
+            dbias_view, *scalars,
+        )  # fmt: skip
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     else:
         kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
@@ -279,6 +293,7 @@ def flash_bwd(
 
 
 __all__ = [
+    "backward_bits_spec_of",
     "backward_spec_of",
     "bwd_preprocess",
     "bwd_spec",

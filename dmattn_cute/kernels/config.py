@@ -303,38 +303,59 @@ class Sm90BwdTile:
 
 
 def sm90_bwd_smem_buffers(
-    tile: Sm90BwdTile, head_dim_padded: int, elem_bytes: int
+    tile: Sm90BwdTile,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None = None,
+    bias: SmemOperand | None = None,
 ) -> tuple[SmemBuffer, ...]:
     """The shared memory of one Hopper backward CTA in allocation order: the pipelines'
-    mbarriers (full + empty: K/V once, Q and dO per stage), K and V (reused for dK and dV),
-    Q and dO stages, P and dS (one tile each), and the fp32 dQ tile of the bulk reduce. K and V
-    share one buffer: with 16-bit elements it holds an fp32 (tile_n, D) tile, the dK or dV
-    partial sum of a CTA that has only some heads of its group."""
+    mbarriers (full + empty: K/V once; Q, dO and the mask/bias tiles per stage), K and V
+    (reused for dK and dV), Q and dO stages, P and dS (one tile each), the fp32 dQ tile of the
+    bulk reduce, mask and bias stages, and with a bias the dbias column sums of the four warps
+    along the query rows. K and V share one buffer: with 16-bit elements it holds an fp32
+    (tile_n, D) tile, the dK or dV partial sum of a CTA that has only some heads of its
+    group."""
     tm, tn, dp = tile.tile_m, tile.tile_n, head_dim_padded
     qdo_bytes = tile.stages * tm * dp * elem_bytes
-    return (
-        SmemBuffer("mbar", 8 * 2 * (1 + 2 * tile.stages), 8),
+    buffers = [
+        SmemBuffer("mbar", 8 * 2 * (1 + 3 * tile.stages), 8),
         SmemBuffer("kv", 2 * tn * dp * elem_bytes, 1024),
         SmemBuffer("q", qdo_bytes, 1024),
         SmemBuffer("do", qdo_bytes, 1024),
         SmemBuffer("p", tm * tn * elem_bytes, 1024),
         SmemBuffer("ds", tm * tn * elem_bytes, 1024),
         SmemBuffer("dq", tm * dp * 4, 1024),
-    )
+    ]
+    for name, operand in (("mask", mask), ("bias", bias)):
+        if operand is not None:
+            rows = 1 if operand.row_broadcast else tm
+            size = _operand_tiles_bytes(tn, rows, tile.stages, operand)
+            buffers.append(SmemBuffer(name, size, 16))
+    if bias is not None:
+        buffers.append(SmemBuffer("colsum", 4 * tn * 4, 16))
+    return tuple(buffers)
 
 
-def sm90_bwd_tile(arch: str, head_dim_padded: int, elem_bytes: int) -> Sm90BwdTile:
+def sm90_bwd_tile(
+    arch: str,
+    head_dim_padded: int,
+    elem_bytes: int,
+    mask: SmemOperand | None = None,
+    bias: SmemOperand | None = None,
+) -> Sm90BwdTile:
     """The Hopper backward tiling: 64 query rows per step; 128 keys up to head dim 128, else
-    64 (dK and dV then split by columns); two Q/dO stages when they fit, else one."""
+    64 (dK and dV then split by columns); two Q/dO/mask/bias stages when they fit, else one
+    (ValueError when that does not fit either)."""
     tile_n = 128 if head_dim_padded <= 128 else 64
     for stages in (2, 1):
         tile = Sm90BwdTile(64, tile_n, stages)
-        if smem_total(sm90_bwd_smem_buffers(tile, head_dim_padded, elem_bytes)) <= smem_capacity(
-            arch
-        ):
+        buffers = sm90_bwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
+        if smem_total(buffers) <= smem_capacity(arch):
             return tile
     raise ValueError(
-        f"Hopper backward tile: head_dim {head_dim_padded} does not fit the shared memory of {arch}"
+        f"Hopper backward tile: head_dim {head_dim_padded} with mask={mask} bias={bias} does "
+        f"not fit the shared memory of {arch}"
     )
 
 

@@ -25,7 +25,8 @@ class DbiasWriter:
 
     spec: the kernel's DbiasSpec; s_colsum: (warps_m, tile_n) fp32 in shared memory, one row
     per warp along the query rows of the S tile; colsum: this thread's column sums (Qm = 1);
-    coord_mn: (row, col) of the thread's S elements in query block 0.
+    coord_mn: (row, col) of the thread's S elements in query block 0; barrier_id /
+    barrier_threads: the barrier of the threads that hold the S tile (0: the whole CTA).
     """
 
     spec: cutlass.Constexpr
@@ -38,15 +39,25 @@ class DbiasWriter:
     n_block: cutlass.Int32
     limits: BlockLimits
     tidx: cutlass.Int32
+    barrier_id: cutlass.Constexpr[int] = 0
+    barrier_threads: cutlass.Constexpr[int] = 0
 
     @staticmethod
-    def make(spec, mdBias, s_colsum, tScS, tile_n, warps_m, n_block, limits, tidx):
+    def make(spec, mdBias, s_colsum, tScS, tile_n, warps_m, n_block, limits, tidx, barrier=(0, 0)):
         coord_mn = acc_mn_view(tScS[None, None, None, 0])
         colsum = cute.make_rmem_tensor(cute.size(coord_mn.shape[1]), cutlass.Float32)
         colsum.fill(0.0)
         return DbiasWriter(
-            spec, mdBias, s_colsum, colsum, coord_mn, tile_n, warps_m, n_block, limits, tidx
-        )
+            spec, mdBias, s_colsum, colsum, coord_mn, tile_n, warps_m, n_block, limits, tidx,
+            *barrier,
+        )  # fmt: skip
+
+    @cute.jit
+    def sync(self):
+        if cutlass.const_expr(self.barrier_id == 0):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.barrier(barrier_id=self.barrier_id, number_of_threads=self.barrier_threads)
 
     @cute.jit
     def step(self, acc_dS: cute.Tensor, coord: cute.Tensor, b, h_bias):
@@ -94,7 +105,7 @@ class DbiasWriter:
                 value = value + cute.arch.shuffle_sync_bfly(value, offset=4 << offset)
             if lane < 4:
                 self.s_colsum[warp_m, self.coord_mn[0, c][1] - self.n_block * tn] = value
-        cute.arch.sync_threads()  # every warp's sums are in shared memory
+        self.sync()  # every warp's sums are in shared memory
         if self.tidx < tn:
             total = cutlass.Float32(0.0)
             for w in cutlass.range_constexpr(self.warps_m):
@@ -102,5 +113,5 @@ class DbiasWriter:
             col = self.n_block * tn + self.tidx
             if col < self.limits.seqlen_k:
                 self.add((b, h_bias, 0, col), total)
-        cute.arch.sync_threads()  # the sums are read before the next head rewrites them
+        self.sync()  # the sums are read before the next head rewrites them
         self.colsum.fill(0.0)

@@ -14,7 +14,7 @@ from ..jit.arch import target_arch
 from ..jit.cache import compiled
 from ..problem import Problem
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import block_bits_spec, launch_block_bits
+from .block_bits_launch import block_bits_spec, mask_block_bits
 from .fwd import FwdScalars, FwdSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view
 from .sm90.fwd import Sm90FwdSpec
@@ -69,18 +69,6 @@ def bits_spec_of(
     return block_bits_spec(operand_view(mask), problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
 
 
-def mask_block_bits(
-    mask: torch.Tensor, mask_spec: OperandSpec, problem: Problem, spec: Sm90FwdSpec, arch: str
-) -> torch.Tensor:
-    """The block bits (block_bits_launch) of the forward's mask kernel view, whose operand spec
-    the forward's variant was picked by, for the forward's tiles; indexed like the mask:
-    stride 0 on its broadcast batch and head dims."""
-    bits_spec = BlockBitsSpec(mask_spec, spec.tile.tile_m, spec.tile.tile_n)
-    bits = launch_block_bits(mask, bits_spec, problem.seqlen_q, problem.seqlen_k, arch)
-    strides = [0 if bits.shape[d] == 1 else bits.stride(d) for d in range(2)]
-    return bits.as_strided(bits.shape, (*strides, *bits.stride()[2:]))
-
-
 def flash_fwd(
     problem: Problem,
     q: torch.Tensor,
@@ -121,7 +109,8 @@ def flash_fwd(
     if isinstance(spec, Sm90FwdSpec):
         bits = None
         if mask is not None:
-            bits = mask_block_bits(mask, mask_spec, problem, spec, arch)
+            tile = (spec.tile.tile_m, spec.tile.tile_n)
+            bits = mask_block_bits(mask, mask_spec, problem.seqlen_q, problem.seqlen_k, tile, arch)
         kernel(q, k, v, out, lse, stats, mask, bias, bits, *scalars)
     else:
         kernel(q, k, v, out, lse, stats, mask, bias, *scalars)

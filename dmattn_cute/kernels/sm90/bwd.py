@@ -1,30 +1,41 @@
-"""Hopper backward (sm_90a): warp-specialized wgmma kernel for dQ, dK and dV.
+"""Hopper backward (sm_90a): warp-specialized wgmma kernel for dQ, dK, dV and dbias.
 
 One CTA per (key block, kv head, batch), as the SM80 backward: it keeps its K and V tiles in
 shared memory and dK, dV in registers, and walks the query heads of its group and the query
 blocks its causal/window range allows. When that grid is too small for the GPU (few kv heads,
 MQA), each group's query heads are split over `head_splits` CTAs (split_heads): each adds its
-fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add. Three warpgroups:
+fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add. With a mask, the
+block-bits pre-pass (kernels/block_bits.py, for this kernel's tiles) says which (query block,
+key block) tiles have a True element (visible) and which are all True (full): every role walks
+the same visible query blocks, a full one loads and applies no mask tile. Four roles:
 
-- the producer (few registers): warp 0 loads K and V once, then Q and dO of every step by TMA
-  into `stages` smem stages; warp 1 adds each step's dQ tile (fp32, smem) into the zeroed
-  fp32 dQ accumulator in global memory with a TMA reduce-add (no per-thread atomics).
-- two MMA warpgroups: per step S = Q K^T and dP = dO V^T by wgmma (each warpgroup half of the
-  keys), P = exp(S - lse) from the forward's stats, dS = P (dP - dpsum) (times the softcap's
-  derivative), P and dS to smem; then dV += P^T dO and dK += dS^T Q (each warpgroup its half
-  of the keys, or of the head-dim columns when the key block is 64 wide) and dQ = dS K (each
-  warpgroup half of the columns).
-- epilogue: dK (times the softmax scale) and dV through smem over sK / sV, stored by TMA (with
-  split_heads: one after the other as fp32 tiles over sK and sV, added by TMA reduce-add).
+- warp 0 (producer warpgroup, few registers): K and V once, then Q and dO of every step by TMA
+  into `stages` smem stages.
+- warp 1: adds each step's dQ tile (fp32, smem) into the zeroed fp32 dQ accumulator in global
+  memory with a TMA reduce-add (no per-thread atomics).
+- warps 2-3: the step's mask and bias tiles by predicated cp.async (any view: broadcast dims,
+  odd strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
+  copies land.
+- two MMA warpgroups: per step S = bias / scale + Q K^T and dP = dO V^T by wgmma (each
+  warpgroup half of the keys), the softcap, mask and causal/window limits, P = exp(S - lse)
+  from the forward's stats, dS = P (dP - dpsum), dbias from dS, dS times the softcap's
+  derivative; P and dS to smem; then dV += P^T dO and dK += dS^T Q (each warpgroup its half of
+  the keys, or of the head-dim columns when the key block is 64 wide) and dQ = dS K (each
+  warpgroup half of the columns). Epilogue: dK (times the softmax scale) and dV through smem
+  over sK / sV, stored by TMA (with split_heads: one after the other as fp32 tiles over sK and
+  sV, added by TMA reduce-add).
 
 Shared memory and the order that protects it:
-- mbar: full/empty mbarriers of the K/V, Q and dO pipelines, initialized before the CTA-wide
-  barrier that precedes every other use.
+- mbar: full/empty mbarriers of the K/V, Q, dO and mask/bias pipelines, initialized before the
+  CTA-wide barrier that precedes every other use.
 - sK, sV: written once by TMA (K/V pipeline), read by the S, dP and dQ GEMMs; after the MMA
   warpgroups' epilogue barrier (each passes it after its last wgmma has completed) they hold
   dK and dV for the TMA store.
 - sQ, sdO stages: filled by warp 0 after the stage's empty barrier, read by the GEMMs after its
   full barrier, released once the step's dK (Q) and dV (dO) GEMMs have completed.
+- mask, bias stages: filled by warps 2-3 after the stage's empty barrier, read by the scores
+  after its full barrier; every MMA thread releases the stage after its own last read (one
+  arrive per thread).
 - sP, sdS: one tile each, written by both MMA warpgroups and read by both (dQ needs every key,
   and with 64-key blocks so do dK and dV). Barrier "P/dS free" (before the writes: every
   warpgroup's GEMMs of the previous step have completed) and barrier "P/dS ready" (after the
@@ -32,23 +43,25 @@ Shared memory and the order that protects it:
 - sdQ: written by the MMA warpgroups after barrier "dQ free" (warp 1 arrives once its previous
   reduce has read the tile), read by warp 1's TMA reduce after barrier "dQ ready" (the MMA
   warpgroups arrive after their writes and the proxy fence).
+- colsum: the dbias column sums of a query-broadcast bias, written and read between the two
+  "dbias" barriers of the MMA warpgroups at the end of each head.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as hopper
 from cutlass import cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from ...jit.arch import compile_options
-from .. import masking, tiles
-from ..bwd import BwdScalars
+from .. import masking, operands, tiles
+from ..bwd import BwdScalars, DbiasSpec
 from ..config import (
     Sm90BwdTile,
     SmemBuffer,
@@ -57,10 +70,12 @@ from ..config import (
     sm90_bwd_tile,
     smem_total,
 )
+from ..dbias import DbiasWriter
+from ..masking import FULL, VISIBLE
 from ..scores import Scores
-from ..spec import DTYPES, dtype_bytes, env_stream, fake_rows, fake_tensor
+from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from ..utils import acc_mn_view
-from .fwd import wgmma
+from .wgmma import smem_layout, transposed, wgmma
 
 # Named barriers (0 is the CTA-wide one).
 _PDS_FREE = 1  # MMA warpgroups: the previous step's GEMMs have read sP / sdS
@@ -68,23 +83,29 @@ _PDS_READY = 2  # MMA warpgroups: this step's P and dS are in smem
 _DQ_FREE = 3  # warp 1 -> MMA warpgroups: the previous dQ reduce has read sdQ
 _DQ_READY = 4  # MMA warpgroups -> warp 1: this step's dQ is in sdQ
 _EPILOGUE = 5  # MMA warpgroups: every GEMM has read sK / sV; then dK / dV are in smem
+_DBIAS = 6  # MMA warpgroups: a head's dbias column sums are in (or read from) colsum
 _MMA_THREADS = 256
-# Registers per thread (producer, MMA warpgroups) after setmaxnreg.
-_REGISTERS = (24, 240)
+_LOADER_THREADS = 64  # warps 2-3: mask and bias tiles
+# Registers per thread (producer warpgroup, MMA warpgroups) after setmaxnreg.
+_REGISTERS = {False: (24, 240), True: (32, 232)}  # by: mask/bias tiles are loaded
 
 
 @dataclass(frozen=True)
 class Sm90BwdSpec:
-    """One Hopper backward kernel variant: the compile key, tiling and launch facts. No mask,
-    bias or deterministic order (bwd_launch runs the SM80 kernel for those).
+    """One Hopper backward kernel variant: the compile key, tiling and launch facts. No
+    deterministic order (bwd_launch runs the SM80 kernel for that).
 
     split_heads: dk and dv are zeroed fp32 buffers that each CTA adds its partial sums into
     (a group's heads are split over several CTAs); else they are written in the input dtype.
+    dbias: how dS reaches dbias (bwd.DbiasSpec; never the deterministic kind), None without.
     """
 
     dtype: str
     head_dim_padded: int
     tile: Sm90BwdTile
+    mask: OperandSpec | None
+    bias: OperandSpec | None
+    dbias: DbiasSpec | None
     has_window: bool
     has_softcap: bool
     split_heads: bool
@@ -95,16 +116,24 @@ class Sm90BwdSpec:
         arch: str,
         dtype: str,
         head_dim: int,
+        mask: OperandSpec | None,
+        bias: OperandSpec | None,
+        dbias: DbiasSpec | None,
         has_window: bool,
         has_softcap: bool,
         split_heads: bool = False,
     ) -> Sm90BwdSpec:
+        """The variant for these choices (ValueError when its tiles do not fit `arch`)."""
         dp = padded_head_dim(head_dim)
-        tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype))
-        return Sm90BwdSpec(dtype, dp, tile, has_window, has_softcap, split_heads)
+        smem = [None if op is None else op.smem() for op in (mask, bias)]
+        tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype), *smem)
+        return Sm90BwdSpec(dtype, dp, tile, mask, bias, dbias, has_window, has_softcap, split_heads)
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:
-        return sm90_bwd_smem_buffers(self.tile, self.head_dim_padded, dtype_bytes(self.dtype))
+        smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
+        return sm90_bwd_smem_buffers(
+            self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem
+        )
 
     def smem_bytes(self) -> int:
         return smem_total(self.smem_buffers())
@@ -120,7 +149,13 @@ class Sm90BwdSpec:
         )
         if not self.split_heads:
             dk, dv = fake_rows(self.dtype), fake_rows(self.dtype)
-        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, *BwdScalars(), env_stream()]
+        mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
+        bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
+        dbias = None
+        if self.dbias is not None:
+            dbias = fake_tensor(self.dbias.dtype, self.dbias.strides, dtype_bytes(self.dbias.dtype))
+        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, mask, bias, bits, dbias,
+                *BwdScalars(), env_stream()]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
         return cute.compile(
@@ -128,29 +163,62 @@ class Sm90BwdSpec:
         )
 
 
-def smem_layout(dtype, rows: int, cols: int, major: int, stages: int | None = None):
-    """(rows, cols[, stages]) row-major tile in the widest swizzle that `major` contiguous
-    elements allow: a GEMM whose warpgroups each read `major` of the columns as the contiguous
-    (MN) mode needs a swizzle atom no wider than that."""
-    atom = warpgroup.make_smem_layout_atom(
-        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype
-    )
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
-
-
-def transposed(t: cute.Tensor, rows: int, cols: int, stages: int | None = None) -> cute.Tensor:
-    """The (cols, rows[, stages]) view of a (rows, cols[, stages]) smem tile."""
-    if stages is None:
-        return cute.composition(t, cute.make_ordered_layout((cols, rows), order=(1, 0)))
-    return cute.composition(t, cute.make_ordered_layout((cols, rows, stages), order=(1, 0, 2)))
-
-
 def _tiled_mma(dtype, a_major, b_major, atoms, n: int):
     return hopper.make_trivial_tiled_mma(
         dtype, dtype, a_major, b_major, cutlass.Float32, atom_layout_mnk=atoms, tiler_mn=(64, n)
     )
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The (head, query block) steps of one CTA, the same for every role: the query heads
+    h_first .. h_first + heads - 1, and per head the visible query blocks of
+    [m_block_min, m_block_max) (all of them without a mask)."""
+
+    b: cutlass.Int32
+    hk: cutlass.Int32
+    n_block: cutlass.Int32
+    h_first: cutlass.Int32
+    heads: cutlass.Int32
+    m_block_min: cutlass.Int32
+    m_block_max: cutlass.Int32
+    mask_head_div: cutlass.Int32
+    bias_head_div: cutlass.Int32
+    mBits: cute.Tensor | None
+    # the mask has one row (Qm = 1): one bit per key block for every query block
+    bits_rows_shared: cutlass.Constexpr[bool]
+
+    @cute.jit
+    def bits(self, h, m_block):
+        """The block bits of (query head h, query block m_block); every bit set without a
+        mask."""
+        bits = cutlass.Int32(VISIBLE | FULL)
+        if cutlass.const_expr(self.mBits is not None):
+            row = 0 if cutlass.const_expr(self.bits_rows_shared) else m_block
+            bits = cutlass.Int32(self.mBits[self.b, h // self.mask_head_div, row, self.n_block])
+        return bits
+
+    @cute.jit
+    def next_visible(self, h, m_block):
+        """The first visible query block at or after m_block (m_block_max and above: none).
+        A warp reads the bits of 32 blocks at once and takes the lowest visible one from a
+        ballot: one gmem latency per 32 blocks, not per block, when most are empty."""
+        if cutlass.const_expr(self.mBits is not None):
+            lane = cute.arch.lane_idx()
+            searching = m_block < self.m_block_max
+            while searching:
+                idx = m_block + lane
+                visible = cutlass.Int32(0)
+                if idx < self.m_block_max:
+                    visible = self.bits(h, idx) & VISIBLE
+                ballot = cute.arch.vote_ballot_sync(visible != 0)
+                if ballot != 0:
+                    m_block += cutlass.Int32(cute.arch.popc((ballot & -ballot) - 1))
+                    searching = False
+                else:
+                    m_block += 32
+                    searching = m_block < self.m_block_max
+        return m_block
 
 
 class FlashBwdSm90:
@@ -164,6 +232,10 @@ class FlashBwdSm90:
         self.stages = spec.tile.stages
         self.head_dim_padded = spec.head_dim_padded
         self.split_keys = spec.tile.dkv_split_keys
+        self.has_tiles = spec.mask is not None or spec.bias is not None
+        # The score accumulator starts from the bias unless the bias follows the softcap.
+        self.bias_first = spec.bias is not None and not spec.has_softcap
+        self.registers = _REGISTERS[self.has_tiles]
 
     @cute.jit
     def __call__(
@@ -178,6 +250,10 @@ class FlashBwdSm90:
         mdK: cute.Tensor,  # [B, Sk, Hkv, D] (fp32, zeroed, with split_heads)
         mdV: cute.Tensor,  # [B, Sk, Hkv, D] (fp32, zeroed, with split_heads)
         head_splits: cutlass.Int32,  # CTAs per group of query heads (1 without split_heads)
+        mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
+        mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
+        mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
+        mdBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km] (stride 0 on size-1 dims)
         scale_log2: cutlass.Float32,
         bias_scale: cutlass.Float32,
         softcap_scale: cutlass.Float32,
@@ -204,13 +280,13 @@ class FlashBwdSm90:
 
         # Swizzles: a warpgroup reading a transposed operand reads dkv_n (Q, dO) or dp / 2
         # (K, dQ) contiguous columns; P and dS 64 keys.
-        sQ_layout = smem_layout(self.dtype, tm, dp, dkv_n, st)
-        sK_layout = smem_layout(self.dtype, tn, dp, dp // 2)
-        sV_layout = smem_layout(self.dtype, tn, dp, dkv_n)
-        sPdS_layout = smem_layout(self.dtype, tm, tn, 64)
-        sdQ_layout = smem_layout(cutlass.Float32, tm, dp, dp // 2)
+        sQ_layout = smem_layout(self.dtype, tm, dp, st, major=dkv_n)
+        sK_layout = smem_layout(self.dtype, tn, dp, major=dp // 2)
+        sV_layout = smem_layout(self.dtype, tn, dp, major=dkv_n)
+        sPdS_layout = smem_layout(self.dtype, tm, tn, major=64)
+        sdQ_layout = smem_layout(cutlass.Float32, tm, dp, major=dp // 2)
         # dK / dV partial sums (split_heads): fp32 over sK and sV, stored as the GEMM splits them
-        sKV32_layout = smem_layout(cutlass.Float32, tn, dp, dkv_n)
+        sKV32_layout = smem_layout(cutlass.Float32, tn, dp, major=dkv_n)
 
         # TMA views (S, D, heads, batch): one box is a (rows, D) tile of one head.
         def tma_view(t):
@@ -218,6 +294,7 @@ class FlashBwdSm90:
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         store = cpasync.CopyBulkTensorTileS2GOp()
+        reduce = cpasync.CopyReduceBulkTensorTileS2GOp()
         one_stage = functools.partial(cute.select, mode=[0, 1])
         tma_q, tQ = cpasync.make_tiled_tma_atom(load, tma_view(mQ), one_stage(sQ_layout), (tm, dp))
         tma_do, tdO = cpasync.make_tiled_tma_atom(
@@ -225,7 +302,6 @@ class FlashBwdSm90:
         )
         tma_k, tK = cpasync.make_tiled_tma_atom(load, tma_view(mK), sK_layout, (tn, dp))
         tma_v, tV = cpasync.make_tiled_tma_atom(load, tma_view(mV), sV_layout, (tn, dp))
-        reduce = cpasync.CopyReduceBulkTensorTileS2GOp()
         if cutlass.const_expr(self.spec.split_heads):
             tma_dk, tdK = cpasync.make_tiled_tma_atom(reduce, tma_view(mdK), sKV32_layout, (tn, dp))
             tma_dv, tdV = cpasync.make_tiled_tma_atom(reduce, tma_view(mdV), sKV32_layout, (tn, dp))
@@ -235,11 +311,12 @@ class FlashBwdSm90:
         tma_dq, tdQ = cpasync.make_tiled_tma_atom(reduce, tma_view(mdQacc), sdQ_layout, (tm, dp))
         grid = (cute.ceil_div(mK.shape[1], tn), mK.shape[2] * head_splits, mK.shape[0])
         self.kernel(
-            tQ, tK, tV, tdO, tdK, tdV, tdQ, mQ.shape[1], mK.shape[1], mStats, mDpsum,
-            tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
-            scale_log2, softcap_scale, softcap, softmax_scale, window_left, window_right, group,
-            head_splits, sQ_layout, sK_layout, sV_layout, sPdS_layout, sdQ_layout, sKV32_layout,
-            mma_sdp, mma_dkv, mma_dq,
+            tQ, tK, tV, tdO, tdK, tdV, tdQ, mQ.shape[1], mK.shape[1], mStats, mDpsum, mMask,
+            mBias, mBits, mdBias, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
+            scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, window_left,
+            window_right, mask_head_div, bias_head_div, group, head_splits, sQ_layout,
+            sK_layout, sV_layout, sPdS_layout, sdQ_layout, sKV32_layout, mma_sdp, mma_dkv,
+            mma_dq,
         ).launch(
             grid=grid, block=[self.spec.tile.num_threads, 1, 1], stream=stream,
             min_blocks_per_mp=1,
@@ -259,6 +336,10 @@ class FlashBwdSm90:
         seqlen_k: cutlass.Int32,
         mStats: cute.Tensor,
         mDpsum: cute.Tensor,
+        mMask: cute.Tensor | None,
+        mBias: cute.Tensor | None,
+        mBits: cute.Tensor | None,
+        mdBias: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -267,11 +348,14 @@ class FlashBwdSm90:
         tma_dv: cute.CopyAtom,
         tma_dq: cute.CopyAtom,
         scale_log2: cutlass.Float32,
+        bias_scale: cutlass.Float32,
         softcap_scale: cutlass.Float32,
         softcap: cutlass.Float32,
         softmax_scale: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
+        mask_head_div: cutlass.Int32,
+        bias_head_div: cutlass.Int32,
         group: cutlass.Int32,
         head_splits: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
@@ -294,11 +378,15 @@ class FlashBwdSm90:
         # kv head hk, and the `heads` query heads of its group from h_first on
         hk = hk_split // head_splits
         heads = group // head_splits
-        h_first = hk * group + (hk_split - hk * head_splits) * heads
         limits = masking.BlockLimits(
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
         m_block_min, m_block_max = limits.query_block_range(n_block)
+        walk = Walk(
+            b, hk, n_block, hk * group + (hk_split - hk * head_splits) * heads, heads,
+            m_block_min, m_block_max, mask_head_div, bias_head_div, mBits,
+            spec.mask is not None and spec.mask.row_broadcast,
+        )  # fmt: skip
 
         # ---- shared memory and pipelines ----
         smem = tiles.allocate_smem(spec.smem_buffers())
@@ -331,47 +419,69 @@ class FlashBwdSm90:
             barrier_storage=mbar + 2 + 2 * st, num_stages=st, producer_group=one_thread,
             consumer_group=mma_warps, tx_count=tm * dp * eb, defer_sync=True,
         )  # fmt: skip
+        pipe_tiles = None
+        if cutlass.const_expr(self.has_tiles):
+            pipe_tiles = pipeline.PipelineCpAsync.create(
+                barrier_storage=mbar + 2 + 4 * st, num_stages=st,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _LOADER_THREADS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_THREADS),
+                defer_sync=True,
+            )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every mbarrier is initialized before any thread uses one
 
+        # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
+        tile_smem = {}
+        for name, op in (("mask", spec.mask), ("bias", spec.bias)):
+            if cutlass.const_expr(op is not None):
+                dtype = DTYPES[op.dtype]
+                stride = operands.stage_elems(op, tm, tn, dtype)
+                tile_smem[name] = operands.smem_stages(
+                    smem[name], dtype, op, tm, tn, st, stride, _LOADER_THREADS
+                )
+
         if warp < 4:
-            cute.arch.setmaxregister_decrease(_REGISTERS[0])
+            cute.arch.setmaxregister_decrease(self.registers[0])
             if warp == 0:
                 self.load(
                     tQ, tK, tV, tdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv,
-                    pipe_q, pipe_do, n_block, hk, b, h_first, heads, m_block_min, m_block_max,
+                    pipe_q, pipe_do, walk,
                 )  # fmt: skip
             if warp == 1:
-                self.reduce_dq(tdQ, sdQ, tma_dq, b, h_first, heads, m_block_min, m_block_max)
+                self.reduce_dq(tdQ, sdQ, tma_dq, walk)
+            if cutlass.const_expr(self.has_tiles):
+                if warp >= 2:
+                    self.load_tiles(mMask, mBias, tile_smem, pipe_tiles, limits, walk)
         else:
-            cute.arch.setmaxregister_increase(_REGISTERS[1])
+            cute.arch.setmaxregister_increase(self.registers[1])
             self.mma(
-                tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, mStats, mDpsum, tma_dk, tma_dv,
-                pipe_kv, pipe_q, pipe_do, mma_sdp, mma_dkv, mma_dq, limits, n_block, hk, b,
-                h_first, heads, m_block_min, m_block_max, scale_log2, softcap_scale, softcap,
+                tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, smem, tile_smem, mStats,
+                mDpsum, mdBias, tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, pipe_tiles, mma_sdp,
+                mma_dkv, mma_dq, limits, walk, scale_log2, bias_scale, softcap_scale, softcap,
                 softmax_scale,
             )  # fmt: skip
 
     @cute.jit
     def load(
         self, tQ, tK, tV, tdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_q,
-        pipe_do, n_block, hk, b, h_first, heads, m_block_min, m_block_max,
+        pipe_do, walk,
     ):  # fmt: skip
-        """Warp 0: K and V once, then Q and dO of every (head, query block) step, each into
-        the next free stage (gmem -> smem by TMA)."""
+        """Warp 0: K and V once, then Q and dO of every step, each into the next free stage
+        (gmem -> smem by TMA)."""
         tm, tn, dp = self.tile_m, self.tile_n, self.head_dim_padded
+        b = walk.b
         no_cluster = cute.make_layout(1)
         # K and V, always (the epilogue reuses their smem: no copy may be in flight then)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         for atom, tX, sX in ((tma_k, tK, sK), (tma_v, tV, sV)):
-            gX = cute.local_tile(tX[None, None, hk, b], (tn, dp), (n_block, 0))
+            gX = cute.local_tile(tX[None, None, walk.hk, b], (tn, dp), (walk.n_block, 0))
             tXsX, tXgX = cpasync.tma_partition(
                 atom, 0, no_cluster, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
             )
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for h in cutlass.range(h_first, h_first + heads, unroll=1):
+        for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
             gQ = cute.local_tile(tQ[None, None, h, b], (tm, dp), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_q, 0, no_cluster, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
@@ -380,51 +490,137 @@ class FlashBwdSm90:
             tdOsdO, tdOgdO = cpasync.tma_partition(
                 tma_do, 0, no_cluster, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
             )
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                pipe_q.producer_acquire(state)
-                cute.copy(
-                    tma_q, tQgQ[None, m_block], tQsQ[None, state.index],
-                    tma_bar_ptr=pipe_q.producer_get_barrier(state),
-                )  # fmt: skip
-                pipe_do.producer_acquire(state)
-                cute.copy(
-                    tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                    tma_bar_ptr=pipe_do.producer_get_barrier(state),
-                )  # fmt: skip
-                state.advance()
+            copies = (tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, pipe_q, pipe_do)
+            if cutlass.const_expr(walk.mBits is None):
+                for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
+                    self.load_step(copies, state, m_block)
+                    state.advance()
+            else:
+                m_block = walk.next_visible(h, walk.m_block_min)
+                while m_block < walk.m_block_max:
+                    self.load_step(copies, state, m_block)
+                    state.advance()
+                    m_block = walk.next_visible(h, m_block + 1)
 
     @cute.jit
-    def reduce_dq(self, tdQ, sdQ, tma_dq, b, h_first, heads, m_block_min, m_block_max):
+    def load_step(self, copies, state, m_block):
+        """Q and dO of query block m_block into stage state.index."""
+        tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, pipe_q, pipe_do = copies
+        pipe_q.producer_acquire(state)
+        cute.copy(
+            tma_q, tQgQ[None, m_block], tQsQ[None, state.index],
+            tma_bar_ptr=pipe_q.producer_get_barrier(state),
+        )  # fmt: skip
+        pipe_do.producer_acquire(state)
+        cute.copy(
+            tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index],
+            tma_bar_ptr=pipe_do.producer_get_barrier(state),
+        )  # fmt: skip
+
+    @cute.jit
+    def load_tiles(self, mMask, mBias, tile_smem, pipe_tiles, limits, walk):
+        """Warps 2-3: the mask tile (unless all True) and the bias tile of every step, by
+        predicated cp.async, each into the next free stage."""
+        spec = self.spec
+        tidx = cute.arch.thread_idx()[0] - 64
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
+            loads = {}
+            for name, op, mX, head_div in (
+                ("mask", spec.mask, mMask, walk.mask_head_div),
+                ("bias", spec.bias, mBias, walk.bias_head_div),
+            ):
+                if cutlass.const_expr(op is not None):
+                    sX, _, tcopy, used = tile_smem[name]
+                    gX, cX, row_end = operands.gmem_tiles(
+                        op, mX, walk.b, h // head_div, limits, None, walk.n_block
+                    )
+                    loads[name] = operands.OperandLoads.make(
+                        op, tcopy, used, gX, cX, sX, row_end, limits.seqlen_k, tidx,
+                        walk_queries=True,
+                    )  # fmt: skip
+            if cutlass.const_expr(walk.mBits is None):
+                for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
+                    self.tiles_step(loads, pipe_tiles, state, walk, h, m_block)
+                    state.advance()
+            else:
+                m_block = walk.next_visible(h, walk.m_block_min)
+                while m_block < walk.m_block_max:
+                    self.tiles_step(loads, pipe_tiles, state, walk, h, m_block)
+                    state.advance()
+                    m_block = walk.next_visible(h, m_block + 1)
+
+    @cute.jit
+    def tiles_step(self, loads, pipe_tiles, state, walk, h, m_block):
+        """The mask tile (unless all True) and the bias tile of query block m_block into stage
+        state.index."""
+        pipe_tiles.producer_acquire(state)
+        if cutlass.const_expr(self.spec.mask is not None):
+            if (walk.bits(h, m_block) & FULL) == 0:
+                loads["mask"].load(m_block, state.index)
+        if cutlass.const_expr(self.spec.bias is not None):
+            loads["bias"].load(m_block, state.index)
+        self.tiles_landed(pipe_tiles, state)
+
+    @cute.jit
+    def tiles_landed(self, pipe_tiles, state):
+        """Arrive on the stage's full barrier once this thread's mask/bias copies have landed.
+        A copy narrower than 4 bytes is a plain load + store: the thread then waits for its
+        cp.async copies and arrives with release semantics, which publishes both."""
+        narrow = False
+        for op in (self.spec.mask, self.spec.bias):
+            if cutlass.const_expr(op is not None):
+                narrow = narrow or op.vec * dtype_bytes(op.dtype) < 4
+        if cutlass.const_expr(narrow):
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.mbarrier_arrive(pipe_tiles.producer_get_barrier(state))
+        else:
+            pipe_tiles.producer_commit(state)
+
+    @cute.jit
+    def reduce_dq(self, tdQ, sdQ, tma_dq, walk):
         """Warp 1: every step's dQ tile (smem, fp32) added into the dQ accumulator by a TMA
         reduce-add; rows past Sq and columns past D are not written."""
         tm, dp = self.tile_m, self.head_dim_padded
-        count = _MMA_THREADS + 32
-        for h in cutlass.range(h_first, h_first + heads, unroll=1):
-            gdQ = cute.local_tile(tdQ[None, None, h, b], (tm, dp), (None, 0))
+        for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
+            gdQ = cute.local_tile(tdQ[None, None, h, walk.b], (tm, dp), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
                 tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
                 cute.group_modes(gdQ, 0, 2),
             )  # fmt: skip
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce read sdQ
-                cute.arch.barrier_arrive(barrier_id=_DQ_FREE, number_of_threads=count)
-                cute.arch.barrier(barrier_id=_DQ_READY, number_of_threads=count)
-                cute.copy(tma_dq, tdQsdQ, tdQgdQ[None, m_block])
-                cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(walk.mBits is None):
+                for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
+                    self.reduce_step(tma_dq, tdQsdQ, tdQgdQ, m_block)
+            else:
+                m_block = walk.next_visible(h, walk.m_block_min)
+                while m_block < walk.m_block_max:
+                    self.reduce_step(tma_dq, tdQsdQ, tdQgdQ, m_block)
+                    m_block = walk.next_visible(h, m_block + 1)
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ is read before the CTA exits
 
     @cute.jit
+    def reduce_step(self, tma_dq, tdQsdQ, tdQgdQ, m_block):
+        """Query block m_block's dQ tile, once the MMA warpgroups have written it."""
+        count = _MMA_THREADS + 32
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce read sdQ
+        cute.arch.barrier_arrive(barrier_id=_DQ_FREE, number_of_threads=count)
+        cute.arch.barrier(barrier_id=_DQ_READY, number_of_threads=count)
+        cute.copy(tma_dq, tdQsdQ, tdQgdQ[None, m_block])
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
     def mma(
-        self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, mStats, mDpsum, tma_dk, tma_dv,
-        pipe_kv, pipe_q, pipe_do, mma_sdp, mma_dkv, mma_dq, limits, n_block, hk, b, h_first,
-        heads, m_block_min, m_block_max, scale_log2, softcap_scale, softcap, softmax_scale,
+        self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, smem, tile_smem, mStats, mDpsum,
+        mdBias, tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, pipe_tiles, mma_sdp, mma_dkv, mma_dq,
+        limits, walk, scale_log2, bias_scale, softcap_scale, softcap, softmax_scale,
     ):  # fmt: skip
         """An MMA warpgroup: every step's five GEMMs and pointwise work, then the epilogue."""
         spec = self.spec
         tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        seqlen_q = limits.seqlen_q
+        b, n_block = walk.b, walk.n_block
 
         # ---- wgmma operands: smem descriptors; register accumulators ----
         thr_sdp = mma_sdp.get_slice(tidx)
@@ -457,57 +653,51 @@ class FlashBwdSm90:
         # (row, col) of every score this thread holds, per query block
         tScS = thr_sdp.partition_C(
             cute.local_tile(
-                cute.make_identity_tensor((seqlen_q, limits.seqlen_k)), (tm, tn), (None, n_block)
+                cute.make_identity_tensor((limits.seqlen_q, limits.seqlen_k)), (tm, tn),
+                (None, n_block),
             )
-        )
+        )  # fmt: skip
+        views = {name: thr_sdp.partition_C(tile_smem[name][1]) for name in tile_smem}
         scores = Scores(
-            False, False, spec.has_softcap, cutlass.Float32(1.0), softcap_scale, softcap
-        )
+            spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
+            softcap_scale, softcap,
+        )  # fmt: skip
+        dbias = None
+        if cutlass.const_expr(spec.dbias is not None):
+            s_colsum = tiles.smem_tensor(
+                smem["colsum"], cutlass.Float32, cute.make_layout((4, tn), stride=(tn, 1))
+            )
+            dbias = DbiasWriter.make(
+                spec.dbias, mdBias, s_colsum, tScS, tn, 4, n_block, limits, tidx,
+                barrier=(_DBIAS, _MMA_THREADS),
+            )  # fmt: skip
 
+        mm = SimpleNamespace(
+            mma_sdp=mma_sdp, mma_dkv=mma_dkv, mma_dq=mma_dq, wg_dq=wg_dq, tSrQ=tSrQ, tSrK=tSrK,
+            tdPrdO=tdPrdO, tdPrV=tdPrV, tdVrPt=tdVrPt, tdVrdOt=tdVrdOt, tdKrdSt=tdKrdSt,
+            tdKrQt=tdKrQt, tdQrdS=tdQrdS, tdQrKt=tdQrKt, s_shape=s_shape, r2s_sdp=r2s_sdp,
+            tPsP=tPsP, tdSsdS=tdSsdS, r2s_f32=r2s_f32, sdQ=sdQ, tScS=tScS, views=views,
+            scores=scores, dbias=dbias, mStats=mStats, mDpsum=mDpsum, pipe_q=pipe_q,
+            pipe_do=pipe_do, pipe_tiles=pipe_tiles, limits=limits, scale_log2=scale_log2,
+            softcap=softcap, softmax_scale=softmax_scale, tidx=tidx,
+        )  # fmt: skip
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
-        for h in cutlass.range(h_first, h_first + heads, unroll=1):
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                coord = tScS[None, None, None, m_block]
-                # ---- S = Q K^T and dP = dO V^T (issued together) ----
-                acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                acc_dP = cute.make_rmem_tensor(s_shape, cutlass.Float32)
-                pipe_q.consumer_wait(state)
-                wgmma(mma_sdp, acc_S, tSrQ[None, None, None, state.index], tSrK, False, -1)
-                pipe_do.consumer_wait(state)
-                wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, state.index], tdPrV, False, -1)
-                # the forward's stats and dpsum of this thread's rows, under the GEMMs
-                log2sum, dpsum = self.row_stats(mStats, mDpsum, coord, b, h, seqlen_q)
-                self.probabilities(
-                    scores, acc_S, acc_dP, coord, limits, m_block, n_block, log2sum, dpsum,
-                    scale_log2, softcap,
-                )  # fmt: skip
-                rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
-
-                # ---- P, dS -> smem; dV += P^T dO, dK += dS^T Q, dQ = dS K ----
-                cute.arch.barrier(barrier_id=_PDS_FREE, number_of_threads=_MMA_THREADS)
-                cute.copy(r2s_sdp, r2s_sdp.retile(rP), tPsP)
-                cute.copy(r2s_sdp, r2s_sdp.retile(rdS), tdSsdS)
-                cute.arch.fence_view_async_shared()  # generic-proxy writes, read by wgmma
-                cute.arch.barrier(barrier_id=_PDS_READY, number_of_threads=_MMA_THREADS)
-                wgmma(mma_dkv, acc_dV, tdVrPt, tdVrdOt[None, None, None, state.index], True, -1)
-                wgmma(mma_dkv, acc_dK, tdKrdSt, tdKrQt[None, None, None, state.index], True, -1)
-                acc_dQ = cute.make_rmem_tensor(wg_dq.partition_shape_C((tm, dp)), cutlass.Float32)
-                wgmma(mma_dq, acc_dQ, tdQrdS, tdQrKt, False, 0)
-                pipe_q.consumer_release(state)
-                pipe_do.consumer_release(state)
-                state.advance()
-
-                # ---- dQ * scale -> smem, then warp 1's reduce into global memory ----
-                acc_dQ.store(acc_dQ.load() * softmax_scale)
-                cute.arch.barrier(barrier_id=_DQ_FREE, number_of_threads=_MMA_THREADS + 32)
-                tiles.acc_to_smem(acc_dQ, cutlass.Float32, r2s_f32, mma_dq, tidx, sdQ)
-                cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the TMA
-                cute.arch.barrier_arrive(barrier_id=_DQ_READY, number_of_threads=_MMA_THREADS + 32)
+        for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
+            if cutlass.const_expr(walk.mBits is None):
+                for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
+                    self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
+                    state.advance()
+            else:
+                m_block = walk.next_visible(h, walk.m_block_min)
+                while m_block < walk.m_block_max:
+                    self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
+                    state.advance()
+                    m_block = walk.next_visible(h, m_block + 1)
+            if cutlass.const_expr(dbias is not None):
+                if cutlass.const_expr(spec.dbias.rows_summed):
+                    dbias.flush(b, h // walk.bias_head_div)
 
         # ---- epilogue: dK, dV (rmem -> smem over sK / sV -> gmem by TMA) ----
         acc_dK.store(acc_dK.load() * softmax_scale)
@@ -516,19 +706,83 @@ class FlashBwdSm90:
         if cutlass.const_expr(not spec.split_heads):
             tiles.acc_to_smem(acc_dK, self.dtype, r2s, mma_dkv, tidx, sK)
             tiles.acc_to_smem(acc_dV, self.dtype, r2s, mma_dkv, tidx, sV)
-            self.store_tiles(((tma_dk, tdK, sK), (tma_dv, tdV, sV)), n_block, hk, b, tidx)
+            self.store_tiles(((tma_dk, tdK, sK), (tma_dv, tdV, sV)), walk, tidx)
         else:
             # fp32 partial sums, one after the other over sK and sV, added by TMA reduce-add
-            self.store_tiles(((tma_dk, tdK, sKV32),), n_block, hk, b, tidx, acc_dK, mma_dkv)
+            self.store_tiles(((tma_dk, tdK, sKV32),), walk, tidx, acc_dK, mma_dkv)
             # the reduce has read the tile before dV overwrites it
             cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=_MMA_THREADS)
-            self.store_tiles(((tma_dv, tdV, sKV32),), n_block, hk, b, tidx, acc_dV, mma_dkv)
+            self.store_tiles(((tma_dv, tdV, sKV32),), walk, tidx, acc_dV, mma_dkv)
 
     @cute.jit
-    def store_tiles(self, stores, n_block, hk, b, tidx, acc=None, tiled_mma=None):
-        """(atom, TMA view, smem tile) of each store: the (tile_n, D) tiles of key block n_block
-        (smem -> gmem; rows past Sk and columns past D are not written), after `acc` (fp32)
-        is written to the one smem tile when given. Returns once the stores have read smem."""
+    def mma_step(self, mm, walk, h, m_block, state, acc_dK, acc_dV):
+        """One (head, query block) step on the tiles in stage state.index: S, dP, P, dS,
+        dbias; dV += P^T dO, dK += dS^T Q; dQ = dS K into sdQ for warp 1's reduce."""
+        spec = self.spec
+        tm, dp = self.tile_m, self.head_dim_padded
+        idx = state.index
+        coord = mm.tScS[None, None, None, m_block]
+        # ---- S = bias / scale + Q K^T and dP = dO V^T (issued together) ----
+        t_bias = t_mask = None
+        if cutlass.const_expr(self.has_tiles):
+            mm.pipe_tiles.consumer_wait(state)
+        if cutlass.const_expr(spec.bias is not None):
+            t_bias = mm.views["bias"][None, None, None, idx]
+        if cutlass.const_expr(spec.mask is not None):
+            t_mask = mm.views["mask"][None, None, None, idx]
+        acc_S = cute.make_rmem_tensor(mm.s_shape, cutlass.Float32)
+        acc_dP = cute.make_rmem_tensor(mm.s_shape, cutlass.Float32)
+        if cutlass.const_expr(self.bias_first):
+            mm.scores.start(acc_S, t_bias)
+        mm.pipe_q.consumer_wait(state)
+        wgmma(mm.mma_sdp, acc_S, mm.tSrQ[None, None, None, idx], mm.tSrK, self.bias_first, -1)
+        mm.pipe_do.consumer_wait(state)
+        wgmma(mm.mma_sdp, acc_dP, mm.tdPrdO[None, None, None, idx], mm.tdPrV, False, -1)
+        # the forward's stats and dpsum of this thread's rows, under the GEMMs
+        row_max, log2sum, dpsum = self.row_stats(mm.mStats, mm.mDpsum, coord, walk.b, h, mm.limits)
+        dtanh = self.probabilities(
+            mm.scores, acc_S, acc_dP, t_bias, t_mask, walk.bits(h, m_block) & FULL, coord,
+            mm.limits, m_block, walk.n_block, row_max, log2sum, dpsum, mm.scale_log2,
+            mm.softcap,
+        )  # fmt: skip
+        if cutlass.const_expr(self.has_tiles):
+            # every MMA thread arrives after its own reads of the tiles (release)
+            mm.pipe_tiles.consumer_release(state)
+        if cutlass.const_expr(mm.dbias is not None):
+            mm.dbias.step(acc_dP, coord, walk.b, h // walk.bias_head_div)
+        if cutlass.const_expr(dtanh is not None):
+            acc_dP.store(acc_dP.load() * dtanh.load())
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+
+        # ---- P, dS -> smem; dV += P^T dO, dK += dS^T Q, dQ = dS K ----
+        cute.arch.barrier(barrier_id=_PDS_FREE, number_of_threads=_MMA_THREADS)
+        cute.copy(mm.r2s_sdp, mm.r2s_sdp.retile(rP), mm.tPsP)
+        cute.copy(mm.r2s_sdp, mm.r2s_sdp.retile(rdS), mm.tdSsdS)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by wgmma
+        cute.arch.barrier(barrier_id=_PDS_READY, number_of_threads=_MMA_THREADS)
+        wgmma(mm.mma_dkv, acc_dV, mm.tdVrPt, mm.tdVrdOt[None, None, None, idx], True, -1)
+        wgmma(mm.mma_dkv, acc_dK, mm.tdKrdSt, mm.tdKrQt[None, None, None, idx], True, -1)
+        acc_dQ = cute.make_rmem_tensor(mm.wg_dq.partition_shape_C((tm, dp)), cutlass.Float32)
+        wgmma(mm.mma_dq, acc_dQ, mm.tdQrdS, mm.tdQrKt, False, 0)
+        mm.pipe_q.consumer_release(state)
+        mm.pipe_do.consumer_release(state)
+
+        # ---- dQ * scale -> smem, then warp 1's reduce into global memory ----
+        acc_dQ.store(acc_dQ.load() * mm.softmax_scale)
+        cute.arch.barrier(barrier_id=_DQ_FREE, number_of_threads=_MMA_THREADS + 32)
+        tiles.acc_to_smem(acc_dQ, cutlass.Float32, mm.r2s_f32, mm.mma_dq, mm.tidx, mm.sdQ)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the TMA
+        cute.arch.barrier_arrive(barrier_id=_DQ_READY, number_of_threads=_MMA_THREADS + 32)
+
+    @cute.jit
+    def store_tiles(self, stores, walk, tidx, acc=None, tiled_mma=None):
+        """(atom, TMA view, smem tile) of each store: the (tile_n, D) tiles of the CTA's key
+        block (smem -> gmem; rows past Sk and columns past D are not written), after `acc`
+        (fp32) is written to the one smem tile when given. Returns once the stores have read
+        smem."""
         tn, dp = self.tile_n, self.head_dim_padded
         if cutlass.const_expr(acc is not None):
             r2s_f32 = cute.make_copy_atom(
@@ -539,7 +793,7 @@ class FlashBwdSm90:
         cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=_MMA_THREADS)
         if tidx < 32:
             for atom, tX, sX in stores:
-                gX = cute.local_tile(tX[None, None, hk, b], (tn, dp), (n_block, 0))
+                gX = cute.local_tile(tX[None, None, walk.hk, walk.b], (tn, dp), (walk.n_block, 0))
                 tXsX, tXgX = cpasync.tma_partition(
                     atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
                     cute.group_modes(gX, 0, 2),
@@ -550,28 +804,38 @@ class FlashBwdSm90:
 
     @cute.jit
     def probabilities(
-        self, scores, acc_S, acc_dP, coord, limits, m_block, n_block, log2sum, dpsum,
-        scale_log2, softcap,
+        self, scores, acc_S, acc_dP, t_bias, t_mask, full, coord, limits, m_block, n_block,
+        row_max, log2sum, dpsum, scale_log2, softcap,
     ):  # fmt: skip
-        """acc_S <- P = exp(S - lse) after the softcap and the causal/window limits; acc_dP <-
-        dS = P (dP - dpsum), times the softcap's derivative 1 - tanh^2. Returns with both of
-        the step's S/dP wgmma groups complete."""
+        """acc_S <- P = exp(S - lse) after the softcap, the bias after it, the mask tile and
+        the causal/window limits; acc_dP <- dS = P (dP - dpsum). Returns the softcap's
+        derivative 1 - tanh^2 for the caller to apply after dbias (None: no softcap, or
+        applied here), with both of the step's S/dP wgmma groups complete."""
+        spec = self.spec
         warpgroup.wait_group(1)  # S is complete
-        if cutlass.const_expr(self.spec.has_softcap):
-            scores.finish(acc_S, None, None, cutlass.Int32(1))
+        # With a softcap and no bias, P and dS are formed in one pass after dP (tanh is read
+        # back from S): no array of derivatives is held across the exp.
+        fused = spec.has_softcap and spec.bias is None
+        dtanh = None
+        if cutlass.const_expr(spec.has_softcap and not fused):
+            dtanh = cute.make_rmem_tensor_like(acc_S)
+        scores.finish(acc_S, t_bias, t_mask, full, dtanh)
         limits.apply(acc_S, coord, m_block, n_block)
         acc_mn, dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
-        if cutlass.const_expr(not self.spec.has_softcap):
+        if cutlass.const_expr(not fused):
             for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                exponent = acc_mn[r, None].load() * scale_log2 - log2sum[r]
+                s_row = acc_mn[r, None].load()
+                if cutlass.const_expr(spec.bias is None):
+                    exponent = s_row * scale_log2 - log2sum[r]
+                else:
+                    exponent = (s_row - row_max[r]) * scale_log2 - log2sum[r]
                 acc_mn[r, None].store(cute.math.exp2(exponent, fastmath=True))
             warpgroup.wait_group(0)  # dP is complete
             for r in cutlass.range_constexpr(cute.size(dP_mn.shape[0])):
                 dP_mn[r, None].store(acc_mn[r, None].load() * (dP_mn[r, None].load() - dpsum[r]))
         else:
-            # With a softcap, P and dS in one pass after dP: tanh = S / softcap is read back
-            # from S before P replaces it (no array of derivatives held across the exp).
-            # Clamped at -1: a masked score (-inf) has P = 0 and gets derivative 0, not NaN.
+            # tanh = S / softcap, clamped at -1: a masked score (-inf) has P = 0 and gets
+            # derivative 0, not NaN.
             inv_softcap = 1.0 / softcap
             warpgroup.wait_group(0)  # dP is complete
             for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
@@ -581,21 +845,27 @@ class FlashBwdSm90:
                     t = cutlass.max(s * inv_softcap, cutlass.Float32(-1.0))
                     acc_mn[r, c] = p
                     dP_mn[r, c] = p * (dP_mn[r, c] - dpsum[r]) * (1.0 - t * t)
+        return dtanh
 
     @cute.jit
-    def row_stats(self, mStats, mDpsum, coord, b, h, seqlen_q):
-        """(log2 row sum, dpsum) of this thread's score rows, from the forward's stats (without
-        a bias the forward folds the row max into the sum): +inf log2 sum for rows past Sq and
-        fully masked rows, so P = 0 there."""
+    def row_stats(self, mStats, mDpsum, coord, b, h, limits):
+        """(row max, log2 row sum, dpsum) of this thread's score rows, from the forward's
+        stats: the row max in accumulator units (read only with a bias: without one the
+        forward folds it into the sum), +inf log2 sum for rows past Sq and fully masked rows
+        (P = 0 there)."""
         coord_mn = acc_mn_view(coord)
         rows = cute.size(coord_mn.shape[0])
+        row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         log2sum = cute.make_rmem_tensor(rows, cutlass.Float32)
         dpsum = cute.make_rmem_tensor(rows, cutlass.Float32)
         for r in cutlass.range_constexpr(rows):
             row = coord_mn[r, 0][0]
+            row_max[r] = 0.0
             log2sum[r] = cutlass.Float32.inf
             dpsum[r] = 0.0
-            if row < seqlen_q:
+            if row < limits.seqlen_q:
+                if cutlass.const_expr(self.spec.bias is not None):
+                    row_max[r] = mStats[b, h, 0, row]
                 log2sum[r] = mStats[b, h, 1, row]
                 dpsum[r] = mDpsum[b, h, row]
-        return log2sum, dpsum
+        return row_max, log2sum, dpsum

@@ -47,7 +47,6 @@ import cutlass
 import cutlass.utils.hopper_helpers as hopper
 from cutlass import cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from ...jit.arch import compile_options
 from .. import masking, operands, tiles
@@ -65,6 +64,7 @@ from ..scores import Scores
 from ..softmax import OnlineSoftmax
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from ..utils import acc_as_a_operand, acc_mn_view, round_pairs
+from .wgmma import smem_layout, transposed, wgmma
 
 # Named barriers (0 is the CTA-wide one).
 _EPILOGUE_BARRIER = 1  # the consumers, before O overwrites sQ and before its TMA store
@@ -141,34 +141,6 @@ def _smem_operands(mask: OperandSpec | None, bias: OperandSpec | None):
     )
 
 
-def wgmma_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
-    """(rows, cols[, stages]) row-major tile in the widest swizzle its rows allow: what TMA
-    writes and wgmma reads (K-major for Q and K, N-major for V)."""
-    atom = warpgroup.make_smem_layout_atom(
-        hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
-    )
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
-
-
-@cute.jit
-def wgmma(
-    tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]
-):
-    """acc (+)= A B over the k-blocks of the fragments, issued as one wgmma group; waits until
-    at most `wait` groups are in flight (-1: no wait)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if cutlass.const_expr(wait >= 0):
-        warpgroup.wait_group(wait)
-
-
 class FlashFwdSm90:
     """The Hopper forward kernel for one Sm90FwdSpec."""
 
@@ -214,9 +186,9 @@ class FlashFwdSm90:
         stream: cuda.CUstream,
     ):
         tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
-        sQ_layout = wgmma_smem_layout(self.dtype, tm, dp)
-        sK_layout = wgmma_smem_layout(self.dtype, tn, dp, st)
-        sV_layout = wgmma_smem_layout(self.dtype, tn, dp, st)
+        sQ_layout = smem_layout(self.dtype, tm, dp)
+        sK_layout = smem_layout(self.dtype, tn, dp, st)
+        sV_layout = smem_layout(self.dtype, tn, dp, st)
         wgs = (tm // 64, 1, 1)
         tiled_mma_qk = hopper.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -248,7 +220,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.bias_tma):
             kept = [2, 3] + [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
             view = cute.make_tensor(mBias.iterator, cute.select(mBias.layout, mode=kept))
-            sBias_layout = wgmma_smem_layout(DTYPES[self.spec.bias.dtype], tm, tn, st)
+            sBias_layout = smem_layout(DTYPES[self.spec.bias.dtype], tm, tn, st)
             tma_bias, tBias = cpasync.make_tiled_tma_atom(
                 load, view, cute.select(sBias_layout, mode=[0, 1]), (tm, tn), 1
             )
@@ -543,7 +515,7 @@ class FlashFwdSm90:
         wg_pv = tiled_mma_pv.get_slice(wg * 128)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        sVt = cute.composition(sV, cute.make_ordered_layout((dp, tn, st), order=(1, 0, 2)))
+        sVt = transposed(sV, tn, dp, st)
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((tm, dp)), cutlass.Float32)
         acc_O.fill(0.0)
