@@ -154,7 +154,7 @@ def planned_kernels(
     if bits is not None:
         kernels.append(("bits", bits))
     if backward:
-        bwd = backward_spec_of(problem, mask4, bias4, bias is not None, arch)
+        bwd = backward_spec_of(problem, mask4, bias4, bias is not None, arch, q.device)
         kernels += [("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)), ("bwd", bwd)]
         bwd_bits = backward_bits_spec_of(bwd)
         if bwd_bits is not None:
