@@ -4,8 +4,9 @@ compute-sanitizer --tool racecheck python3 -m bench.sanitize
 
 The mask has all-False key blocks and rows (skipped tiles), the bias is [1, H, 1, S] (dbias
 column sums across the heads of a group), GQA 2/1 and a sliding window; the backward runs
-once in default mode (atomics) and once deterministic (turn counters). Then a forward with a
-full [1, H, S, S] bias and softcap (on Hopper: the bias by TMA).
+once in default mode (atomics; on Hopper the wgmma backward) and once deterministic (turn
+counters). Then a forward and backward with a full [1, H, S, S] bias and softcap (on Hopper:
+the bias by TMA in the forward), and a causal one without mask or bias.
 """
 
 from __future__ import annotations
@@ -44,13 +45,27 @@ def main() -> None:
         print(f"deterministic={deterministic}: max abs err out {errs.pop('out'):.3e}, rel err "
               + ", ".join(f"{n} {e:.3e}" for n, e in errs.items()))  # fmt: skip
         assert all(e < 2e-2 for e in errs.values())
-    # A full 16-bit bias with 16-byte aligned rows: the Hopper forward loads it by TMA.
+    # A full 16-bit bias with 16-byte aligned rows: the Hopper forward loads it by TMA; its
+    # gradient is stored from dS (one contribution per element), after the softcap.
     full = torch.randn(b, h, s, s, **kw)
-    ref_full, _ = attention_ref(q.float(), k.float(), v.float(), mask, full.float(), softcap=30.0)
-    out = flash_dmattn_func(q, k, v, mask, full, softcap=30.0)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v, full)]
+    ref_full, _ = attention_ref(*leaves[:3], mask, leaves[3], softcap=30.0)
+    ref_full.backward(dout.float())
+    ours = [t.detach().clone().requires_grad_() for t in (q, k, v, full)]
+    out = flash_dmattn_func(*ours[:3], mask, ours[3], softcap=30.0)
+    out.backward(dout)
     err = (out.float() - ref_full).abs().max().item()
-    print(f"full bias, softcap: max abs err out {err:.3e}")
-    assert err < 2e-2
+    grads = {
+        name: ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
+        for name, got, want in zip(("dq", "dk", "dv", "dbias"), ours, leaves, strict=True)
+    }
+    print(f"full bias, softcap: max abs err out {err:.3e}, rel err "
+          + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
+    assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
+    # No mask or bias: the Hopper backward's dense walk (every query block, no tile loads).
+    ours = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_dmattn_func(*ours, is_causal=True).backward(dout)
+    assert all(t.grad.isfinite().all() for t in ours)
 
 
 if __name__ == "__main__":
