@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bench.workloads import GROUP, HEADS, Inputs
+from bench.workloads import Inputs
 
 Call = Callable[[], Tensor]
 Candidates = Iterator[tuple[str, Call]]
@@ -32,7 +32,18 @@ class Unsupported(Exception):
 def ours(x: Inputs) -> Candidates:
     from dmattn_cute import flash_dmattn_func
 
-    yield "", lambda: flash_dmattn_func(x.q, x.k, x.v, x.mask, x.bias, is_causal=x.causal)
+    yield (
+        "",
+        lambda: flash_dmattn_func(
+            x.q, x.k, x.v, x.mask, x.bias, is_causal=x.causal, deterministic=x.deterministic
+        ),
+    )
+
+
+def _peer(x: Inputs) -> None:
+    """Raise Unsupported for what no peer runs: our deterministic mode."""
+    if x.deterministic:
+        raise Unsupported("deterministic mode is ours")
 
 
 def _heads_first(*tensors: Tensor) -> list[Tensor]:
@@ -60,6 +71,7 @@ def _sdpa_unmasked(x: Inputs, backend: SDPBackend) -> Candidates:
 
 
 def sdpa_flash(x: Inputs) -> Candidates:
+    _peer(x)
     if x.mask is not None or x.bias is not None:
         raise Unsupported("no mask or bias in the flash backend")
     yield from _sdpa_unmasked(x, SDPBackend.FLASH_ATTENTION)
@@ -68,14 +80,14 @@ def sdpa_flash(x: Inputs) -> Candidates:
 def _additive(x: Inputs) -> Tensor | None:
     """Bias and mask (and causal band) as one float mask [B, H, Sq, Sk], differentiable in
     the bias."""
-    b, sq, sk = x.q.shape[0], x.q.shape[1], x.k.shape[1]
+    b, sq, h, sk = *x.q.shape[:3], x.k.shape[1]
     add = None
     if x.bias is not None:
-        bias = x.bias if x.bias.shape[1] == HEADS else x.bias.repeat_interleave(GROUP, dim=1)
-        add = bias.expand(b, HEADS, sq, sk)
+        bias = x.bias if x.bias.shape[1] == h else x.bias.repeat_interleave(x.group, dim=1)
+        add = bias.expand(b, h, sq, sk)
     visible = None
     if x.mask is not None:
-        visible = x.mask.repeat_interleave(GROUP, dim=1)
+        visible = x.mask.repeat_interleave(x.group, dim=1)
     if x.causal:
         rows = torch.arange(sq, device=x.q.device)[:, None] + (sk - sq)
         band = torch.arange(sk, device=x.q.device)[None, :] <= rows
@@ -87,6 +99,7 @@ def _additive(x: Inputs) -> Tensor | None:
 
 
 def sdpa_efficient(x: Inputs, backend=SDPBackend.EFFICIENT_ATTENTION) -> Candidates:
+    _peer(x)
     if x.bias is None and x.mask is None:
         raise Unsupported("dense attention: the flash backend is the peer")
     q, k, v = _heads_first(x.q, x.k, x.v)
@@ -94,7 +107,7 @@ def sdpa_efficient(x: Inputs, backend=SDPBackend.EFFICIENT_ATTENTION) -> Candida
     fixed = None if grad else _additive(x)  # forward only: built once, outside the timing
 
     def run() -> Tensor:
-        kr, vr = (t.repeat_interleave(GROUP, dim=1) for t in (k, v))
+        kr, vr = (t.repeat_interleave(x.group, dim=1) for t in (k, v))
         add = _additive(x) if fixed is None else fixed
         with sdpa_kernel(backend):
             out = F.scaled_dot_product_attention(q, kr, vr, add)
@@ -105,9 +118,10 @@ def sdpa_efficient(x: Inputs, backend=SDPBackend.EFFICIENT_ATTENTION) -> Candida
 
 
 def sdpa_math(x: Inputs) -> Candidates:
-    b, sq, sk = x.q.shape[0], x.q.shape[1], x.k.shape[1]
-    if b * HEADS * sq * sk > MATH_MAX_SCORES:
-        raise Unsupported(f"scores [B,H,Sq,Sk] of {b * HEADS * sq * sk:.2e} elements")
+    _peer(x)
+    b, sq, h, sk = *x.q.shape[:3], x.k.shape[1]
+    if b * h * sq * sk > MATH_MAX_SCORES:
+        raise Unsupported(f"scores [B,H,Sq,Sk] of {b * h * sq * sk:.2e} elements")
     if x.bias is None and x.mask is None:
         yield from _sdpa_unmasked(x, SDPBackend.MATH)
     else:
@@ -120,6 +134,7 @@ _flex: list[Callable] = []  # torch.compile(flex_attention), made once
 def flex(x: Inputs) -> Candidates:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    _peer(x)
     if not _flex:
         # Each workload's score_mod and BlockMask is one more compiled variant.
         torch._dynamo.config.recompile_limit = 256
@@ -128,11 +143,11 @@ def flex(x: Inputs) -> Candidates:
         # with donated buffers refuse.
         torch._functorch.config.donated_buffer = False
         _flex.append(torch.compile(flex_attention, dynamic=False))
-    b, sq, sk = x.q.shape[0], x.q.shape[1], x.k.shape[1]
-    bias, mask, offset = x.bias, x.mask, sk - sq
+    b, sq, heads, sk = *x.q.shape[:3], x.k.shape[1]
+    bias, mask, offset, group = x.bias, x.mask, sk - sq, x.group
 
     def add_key_bias(score, bb, h, q_idx, kv_idx):
-        return score + bias[bb, h // GROUP, 0, kv_idx]
+        return score + bias[bb, h // group, 0, kv_idx]
 
     def add_full_bias(score, bb, h, q_idx, kv_idx):
         return score + bias[bb, h, q_idx, kv_idx]
@@ -142,13 +157,13 @@ def flex(x: Inputs) -> Candidates:
         score_mod = add_key_bias if bias.shape[2] == 1 else add_full_bias
 
     def visible(bb, h, q_idx, kv_idx):
-        keep = mask[bb, h // GROUP, q_idx, kv_idx] if mask is not None else q_idx >= 0
+        keep = mask[bb, h // group, q_idx, kv_idx] if mask is not None else q_idx >= 0
         return keep & (kv_idx <= q_idx + offset) if x.causal else keep
 
     block_mask = None
     note = ""
     if mask is not None or x.causal:
-        block_mask = create_block_mask(visible, b, HEADS, sq, sk, x.q.device.type)
+        block_mask = create_block_mask(visible, b, heads, sq, sk, x.q.device.type)
         note = "BlockMask (default 128x128 blocks, built outside the timing)"
     q, k, v = _heads_first(x.q, x.k, x.v)
 
@@ -160,6 +175,7 @@ def flex(x: Inputs) -> Candidates:
 
 def flash_attn(x: Inputs) -> Candidates:
     """FlashAttention 2 (flash_attn), when installed: no mask or bias."""
+    _peer(x)
     if importlib.util.find_spec("flash_attn_2_cuda") is None:
         raise Unsupported("flash-attn 2 is not installed")
     if x.mask is not None or x.bias is not None:
@@ -171,6 +187,7 @@ def flash_attn(x: Inputs) -> Candidates:
 
 def fa4(x: Inputs) -> Candidates:
     """FlashAttention 4 (flash_attn.cute), when importable: no mask or bias."""
+    _peer(x)
     if importlib.util.find_spec("flash_attn") is None:
         raise Unsupported("flash_attn.cute is not installed")
     if x.mask is not None or x.bias is not None:
@@ -183,6 +200,7 @@ def fa4(x: Inputs) -> Candidates:
 
 def flash_dmattn(x: Inputs) -> Candidates:
     """flash-dmattn (the CUDA C++ implementation), when installed."""
+    _peer(x)
     if importlib.util.find_spec("flash_dmattn") is None:
         raise Unsupported("flash-dmattn is not installed")
     from flash_dmattn import flash_dmattn_func

@@ -156,7 +156,15 @@ def our_variants(
     for w, bwd in backward.items():
         x = make_inputs(w, device)
         for kind, spec in planned_kernels(
-            arch, x.q, x.k, x.v, x.mask, x.bias, w.causal, backward=bwd
+            arch,
+            x.q,
+            x.k,
+            x.v,
+            x.mask,
+            x.bias,
+            w.causal,
+            deterministic=w.deterministic,
+            backward=bwd,
         ):
             todo.setdefault(spec, f"{kind} {w.name}")
     return [(label, spec) for spec, label in todo.items()]

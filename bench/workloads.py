@@ -9,6 +9,8 @@ Suites (bf16 unless said):
   blocks of 128 queries x 64 keys or the top-W keys of each query by the bias (flash-dmattn's
   dynamic mask, W = density * Sk), causal and not.
 - decode: Sq = 1, Sk 4k..512k, bias and a random 64-key block mask of density 0.25.
+- heads: no mask or bias, B1 H32 S4k D128 with 32, 8 and 1 kv heads (MHA, GQA, MQA), in
+  default and in deterministic mode.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-HEADS, HEADS_KV = 16, 4
-GROUP = HEADS // HEADS_KV
+HEADS, HEADS_KV = 16, 4  # unless a workload says otherwise
 TOKENS = 16384  # batch * seqlen of the dense sweep
 BLOCK_Q, BLOCK_K = 128, 64  # random block masks: 128 queries x 64 keys
 DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
@@ -33,6 +34,7 @@ class Workload:
     bias: None, "key" ([B, Hkv, 1, Sk], one value per key) or "full" ([B, H, Sq, Sk]).
     mask: None, "dense" (all True), "blocks" (random BLOCK_Q x BLOCK_K blocks visible with
     probability `density`) or "topk" (the round(density * Sk) keys of largest bias per query).
+    deterministic: the backward runs in deterministic mode (ours only).
     """
 
     suite: str
@@ -45,6 +47,9 @@ class Workload:
     bias: str | None = None
     mask: str | None = None
     density: float = 1.0
+    heads: int = HEADS
+    heads_kv: int = HEADS_KV
+    deterministic: bool = False
 
     @property
     def name(self) -> str:
@@ -58,11 +63,15 @@ class Workload:
             )
         if self.causal:
             parts.append("causal")
+        if (self.heads, self.heads_kv) != (HEADS, HEADS_KV):
+            parts.append(f"H{self.heads}/{self.heads_kv}")
+        if self.deterministic:
+            parts.append("deterministic")
         return " ".join(parts)
 
     def flops(self) -> float:
         """Dense-equivalent forward FLOPs (QK^T and PV), halved under a square causal mask."""
-        dense = 4.0 * self.batch * HEADS * self.seqlen_q * self.seqlen_k * self.head_dim
+        dense = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
         return dense / 2 if self.causal and self.seqlen_q == self.seqlen_k else dense
 
 
@@ -106,11 +115,20 @@ def decode_suite() -> list[Workload]:
     ]
 
 
+def heads_suite() -> list[Workload]:
+    return [
+        Workload("heads", 1, 4096, 4096, 128, heads=32, heads_kv=hkv, deterministic=det)
+        for det in (False, True)
+        for hkv in (32, 8, 1)
+    ]
+
+
 SUITES = {
     "dense": dense_suite,
     "bias": bias_suite,
     "sparse": sparse_suite,
     "decode": decode_suite,
+    "heads": heads_suite,
 }
 
 
@@ -134,6 +152,12 @@ class Inputs:
     mask: Tensor | None  # bool [B, Hkv, Sq, Sk]
     bias: Tensor | None  # [B, Hkv, 1, Sk] or [B, H, Sq, Sk]
     causal: bool
+    deterministic: bool = False
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.q.shape[2] // self.k.shape[2]
 
     @property
     def leaves(self) -> list[Tensor]:
@@ -144,7 +168,7 @@ def block_mask(w: Workload, device: str) -> Tensor:
     """Random BLOCK_Q x BLOCK_K blocks, each visible w.p. density; in every query block one
     key block (on the diagonal, or the last one for Sq < BLOCK_Q) stays visible."""
     nq, nk = -(-w.seqlen_q // BLOCK_Q), -(-w.seqlen_k // BLOCK_K)
-    blocks = torch.rand(w.batch, HEADS_KV, nq, nk, device=device) < w.density
+    blocks = torch.rand(w.batch, w.heads_kv, nq, nk, device=device) < w.density
     rows = torch.arange(nq, device=device)
     diagonal = torch.clamp((rows * BLOCK_Q + (w.seqlen_k - w.seqlen_q)) // BLOCK_K, 0, nk - 1)
     blocks[:, :, rows, diagonal] = True
@@ -158,15 +182,15 @@ def make_inputs(w: Workload, device: str = "cuda", grad: bool = False) -> Inputs
 
     torch.manual_seed(0)
     kw = {"device": device, "dtype": DTYPES[w.dtype]}
-    q = torch.randn(w.batch, w.seqlen_q, HEADS, w.head_dim, **kw)
-    k, v = (torch.randn(w.batch, w.seqlen_k, HEADS_KV, w.head_dim, **kw) for _ in range(2))
+    q = torch.randn(w.batch, w.seqlen_q, w.heads, w.head_dim, **kw)
+    k, v = (torch.randn(w.batch, w.seqlen_k, w.heads_kv, w.head_dim, **kw) for _ in range(2))
     bias = None
     if w.bias == "key":
-        bias = torch.randn(w.batch, HEADS_KV, 1, w.seqlen_k, **kw)
+        bias = torch.randn(w.batch, w.heads_kv, 1, w.seqlen_k, **kw)
     elif w.bias == "full":
-        bias = torch.randn(w.batch, HEADS, w.seqlen_q, w.seqlen_k, **kw)
+        bias = torch.randn(w.batch, w.heads, w.seqlen_q, w.seqlen_k, **kw)
     mask = None
-    shape = (w.batch, HEADS_KV, w.seqlen_q, w.seqlen_k)
+    shape = (w.batch, w.heads_kv, w.seqlen_q, w.seqlen_k)
     if w.mask == "dense":
         mask = torch.ones(shape, dtype=torch.bool, device=device)
     elif w.mask == "blocks":
@@ -180,7 +204,7 @@ def make_inputs(w: Workload, device: str = "cuda", grad: bool = False) -> Inputs
     for t in (q, k, v, bias):
         if t is not None:
             t.requires_grad_(grad)
-    return Inputs(q, k, v, mask, bias, w.causal)
+    return Inputs(q, k, v, mask, bias, w.causal, w.deterministic)
 
 
 __all__ = ["SUITES", "Inputs", "Workload", "make_inputs", "quick_workloads"]
