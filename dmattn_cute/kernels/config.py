@@ -344,12 +344,14 @@ def sm90_bwd_tile(
     mask: SmemOperand | None = None,
     bias: SmemOperand | None = None,
 ) -> Sm90BwdTile:
-    """The Hopper backward tiling: 64 query rows per step; 128 keys up to head dim 128, else
-    64 (dK and dV then split by columns); two Q/dO/mask/bias stages when they fit, else one
-    (ValueError when that does not fit either)."""
+    """The Hopper backward tiling: 128 query rows per step up to head dim 64 without mask or
+    bias tiles (reading those in the accumulator layout needs the registers), else 64; 128
+    keys up to head dim 128, else 64 (dK and dV then split by columns); two Q/dO/mask/bias
+    stages when they fit, else one (ValueError when that does not fit either)."""
+    tile_m = 128 if head_dim_padded <= 64 and mask is None and bias is None else 64
     tile_n = 128 if head_dim_padded <= 128 else 64
     for stages in (2, 1):
-        tile = Sm90BwdTile(64, tile_n, stages)
+        tile = Sm90BwdTile(tile_m, tile_n, stages)
         buffers = sm90_bwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
         if smem_total(buffers) <= smem_capacity(arch):
             return tile
