@@ -54,10 +54,12 @@ def llama() -> nn.Module:
 
 
 def gemma2() -> nn.Module:
-    """Gemma 2: a scale that is not 1/sqrt(D), a softcap small enough to change the scores of
-    a random model, and a sliding window shorter than the sequence on its first layer."""
+    """Gemma 2: a scale that is not 1/sqrt(D), a softcap that changes the scores (weights 10x
+    the default init, so that scores reach a few units), and a sliding window shorter than the
+    sequence on its first layer."""
     config = Gemma2Config(
         **SMALL,
+        initializer_range=0.2,
         query_pre_attn_scalar=7,
         attn_logit_softcapping=0.5,
         final_logit_softcapping=None,
