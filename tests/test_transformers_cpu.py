@@ -163,6 +163,26 @@ def test_greedy_generate_with_kv_cache_matches_sdpa(padded, cache) -> None:
     assert_within_rule(ours, peer, truth, torch.ones_like(truth, dtype=torch.bool))
 
 
+def test_training_gradients_match_sdpa() -> None:
+    """A language-model loss on a padded batch: every parameter's gradient (through our
+    backward op) within the rule against the float32 model, peer sdpa in bf16."""
+    model = llama().train()
+    input_ids, attention_mask = padded_batch()
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    grads = {}
+    for implementation, dtype in (
+        ("eager", torch.float32),
+        ("sdpa", torch.bfloat16),
+        (ATTN_IMPLEMENTATION, torch.bfloat16),
+    ):
+        copied = variant(model, implementation, dtype)
+        copied(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        grads[implementation] = {name: p.grad for name, p in copied.named_parameters()}
+    for name, truth in grads["eager"].items():
+        everywhere = torch.ones_like(truth, dtype=torch.bool)
+        assert_within_rule(grads[ATTN_IMPLEMENTATION][name], grads["sdpa"][name], truth, everywhere)
+
+
 @torch.no_grad()
 def test_compiled_model_has_no_graph_break_and_matches() -> None:
     model = llama().eval()
@@ -314,11 +334,19 @@ def test_attention_dropout_in_training_raises() -> None:
     model.eval()(input_ids)  # no dropout asked for in eval mode
 
 
-def test_keep_window_size_needs_attention_bias() -> None:
+UNSUPPORTED = {
+    "keep-without-bias": ({"keep_window_size": 2}, "keep_window_size: needs attention_bias"),
+    "sinks": ({"s_aux": torch.zeros(2)}, r"attention sinks \(s_aux\)"),
+    "paged-cache": ({"cache": object()}, "continuous batching"),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), UNSUPPORTED.values(), ids=UNSUPPORTED.keys())
+def test_unsupported_arguments_raise(kwargs, message) -> None:
     q = torch.randn(1, 2, 4, 16, dtype=torch.bfloat16)
     kv = torch.randn(1, 2, 4, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="keep_window_size: needs attention_bias"):
-        attention_forward(Module(), q, kv, kv, None, keep_window_size=2)
+    with pytest.raises(ValueError, match=message):
+        attention_forward(Module(), q, kv, kv, None, **kwargs)
 
 
 def test_importing_dmattn_cute_does_not_import_transformers() -> None:

@@ -74,8 +74,9 @@ def attention_forward(
     per query the keep_window_size keys of largest bias among those it sees (causal-aware);
     needs attention_bias, no effect when >= Sk.
     Returns (out [B, Sq, H, D] in the compute dtype, None: no attention weights).
-    Raises ValueError for dropout > 0 or attention sinks (`s_aux`), which this attention does
-    not compute, and TypeError for float32 inputs outside autocast.
+    Raises ValueError for dropout > 0, attention sinks (`s_aux`) and a paged cache
+    (continuous batching), which this attention does not compute, and TypeError for float32
+    inputs outside autocast.
     """
     if dropout > 0:
         raise ValueError(
@@ -85,6 +86,11 @@ def attention_forward(
         )
     if kwargs.get("s_aux") is not None:
         raise ValueError("dmattn_cute attention: attention sinks (s_aux) are not supported")
+    if kwargs.get("cache") is not None:
+        # The paged cache of continuous batching is updated by the attention function itself.
+        raise ValueError(
+            "dmattn_cute attention: continuous batching (a paged cache) is not supported"
+        )
     query, key, value = _compute_dtype(query, key, value)
     # [B, H, S, D] -> [B, S, H, D]: views, the last dim stays contiguous.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
