@@ -22,7 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 from torch import Tensor, nn
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    StaticCache,
+)
 from transformers.masking_utils import (
     sdpa_mask,
     sliding_window_bidirectional_mask_function,
@@ -184,15 +190,23 @@ def test_training_gradients_match_sdpa() -> None:
 
 
 @torch.no_grad()
-def test_compiled_model_has_no_graph_break_and_matches() -> None:
+def test_compiled_prefill_and_decode_have_no_graph_break_and_match() -> None:
+    """torch.compile(fullgraph=True) of a prefill and a decode step into a static cache, as
+    compiled generation runs them; the truth is the float32 model on the whole sequence."""
     model = llama().eval()
     input_ids, attention_mask = padded_batch()
-    truth = variant(model, "eager", torch.float32)(input_ids, attention_mask=attention_mask)
-    peer = variant(model, "eager", torch.bfloat16)(input_ids, attention_mask=attention_mask)
+    next_ids = torch.randint(1, VOCAB, (3, 1))
+    full_ids = torch.cat([input_ids, next_ids], dim=1)
+    full_mask = torch.cat([attention_mask, torch.ones_like(next_ids)], dim=1)
+    truth = variant(model, "eager", torch.float32)(full_ids, attention_mask=full_mask).logits
+    peer = variant(model, "eager", torch.bfloat16)(full_ids, attention_mask=full_mask).logits
     torch._dynamo.reset()
     compiled = torch.compile(variant(model, ATTN_IMPLEMENTATION, torch.bfloat16), fullgraph=True)
-    ours = compiled(input_ids, attention_mask=attention_mask)
-    assert_within_rule(ours.logits, peer.logits, truth.logits, attention_mask.bool())
+    cache = StaticCache(config=model.config, max_cache_len=2 * SEQLEN)
+    prefill = compiled(input_ids, attention_mask=attention_mask, past_key_values=cache).logits
+    decode = compiled(next_ids, attention_mask=full_mask, past_key_values=cache).logits
+    ours = torch.cat([prefill, decode], dim=1)
+    assert_within_rule(ours, peer, truth, full_mask.bool())
 
 
 class Module(nn.Module):

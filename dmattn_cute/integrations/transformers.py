@@ -63,11 +63,12 @@ def attention_forward(
 
     query: [B, H, Sq, D]; key, value: [B, Hkv, Sk, D] (bf16 or fp16; float32 only under
     torch.autocast, which gives the dtype). attention_mask: the model's 4-D mask, bool
-    (True = attend) or additive float, [B or 1, 1 or Hkv or H, Sq, Sk], or None. When present it is the whole truth about which keys a query sees (causal,
-    sliding window, padding), as torch SDPA reads it; when None, `is_causal` (else
-    `module.is_causal`, default True) and `sliding_window` apply (as transformers' masks draw
-    them: i - sliding_window < j <= i when causal, |i - j| <= sliding_window when not), and a causal prefill into a longer static cache sees only the first Sq keys
-    (transformers' top-left convention for a missing mask).
+    (True = attend) or additive float, [B or 1, 1 or Hkv or H, Sq, Sk], or None. When present
+    it is the whole truth about which keys a query sees (causal, sliding window, padding), as
+    torch SDPA reads it. When None, `is_causal` (else `module.is_causal`, default True) and
+    `sliding_window` apply as transformers' masks draw them (i - sliding_window < j <= i when
+    causal, |i - j| <= sliding_window when not), and a causal prefill into a longer static
+    cache sees only the first Sq keys (transformers' top-left convention without a mask).
     scaling: softmax scale (default 1/sqrt(D)); softcap: None or 0 is off.
     attention_bias: float [B, Hm, Sk] or [B, Hm, Sq or 1, Sk] (Hm in 1, Hkv, H), added to the
     scores after softcap (with an additive mask, the two are summed). keep_window_size: keep
