@@ -2,7 +2,8 @@
 
 A tiny randomly initialised Llama (GQA: 4 query heads, 2 kv heads), greedy decoding with the
 kv cache, a left-padded batch:
-1. the stock model with attn_implementation="dmattn_cute", against "sdpa" on the same weights;
+1. the stock model with attn_implementation="dmattn_cute", against "sdpa" on the same weights
+   (in bf16, where two tokens are nearly tied, either's rounding may pick the other);
 2. the same model with dynamic mask attention layers (same projections): each key gets a
    per-kv-head bias computed from its value (`exp(a) * softplus(W v)`, as flash-dmattn's Doge
    models do), and each query attends to its `keep` keys of largest bias. The layer passes the
