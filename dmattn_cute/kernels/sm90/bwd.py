@@ -644,7 +644,9 @@ class FlashBwdSm90:
         acc_dV.fill(0.0)
         # P and dS (rmem -> smem), dQ (rmem -> smem, fp32)
         r2s = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
-        r2s_sdp = cute.make_tiled_copy_C(r2s, mma_sdp).get_slice(tidx)
+        # P and dS by stmatrix: four 8x8 matrices per instruction, few smem addresses to keep
+        stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        r2s_sdp = cute.make_tiled_copy_C(stsm, mma_sdp).get_slice(tidx)
         tPsP = r2s_sdp.partition_D(sP)
         tdSsdS = r2s_sdp.partition_D(sdS)
         r2s_f32 = cute.make_copy_atom(
