@@ -1,0 +1,218 @@
+"""Attention against a key/value cache, in FlashAttention's `flash_attn_with_kvcache` convention.
+
+    out = flash_dmattn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                    cache_seqlens=lengths, attn_mask=..., attn_bias=...,
+                                    is_causal=True)
+
+Each batch row b of the cache holds `cache_seqlens[b]` valid keys; the new keys and values
+`k`, `v` (if given) are written into the cache in place after them, and the queries attend to
+the first `cache_seqlens[b] + Snew` keys of their row, with causal and window limits aligned to
+that length (the last query sits at the last key). The mask and the bias are indexed by cache
+position: their key dim is the cache's length (or 1).
+
+This is the inference API: it runs without autograd. Today it runs the attention kernels over
+the whole cache length with the per-row lengths (and causal/window limits) as a boolean mask
+[B, 1, Sq, Sk_cache] combined with the caller's mask, so key blocks past a row's length are
+skipped whole; a split-KV decode kernel with per-row lengths in the kernel is the next step
+(issue 16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dmattn_cute.attention import flash_dmattn_func
+from dmattn_cute.problem import check_bool, check_broadcast, check_window_size
+
+
+def flash_dmattn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    cache_seqlens: int | Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    attn_bias: Tensor | None = None,
+    softmax_scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    window_size: tuple[int, int] = (-1, -1),
+    block_table: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of q against the cache, after appending k, v to it in place.
+
+    q: [B, Sq, H, D]; k_cache, v_cache: [Bc, Sk_cache, Hkv, D] (Bc = B, or any size with
+    cache_batch_idx), q's dtype and device. k, v: [B, Snew, Hkv, D] or None (both or
+    neither). cache_seqlens: the valid keys of each row before the append, an int or an
+    integer tensor [B] (default: the whole cache, Sk_cache - Snew). cache_batch_idx: integer
+    [B], the cache row of each batch row (default: row b). attn_mask (bool, True = attend) and
+    attn_bias broadcast as in flash_dmattn_func over [B, H, Sq, Sk_cache]. Returns out
+    [B, Sq, H, D] and, with return_lse, lse [B, H, Sq] (natural log; -inf for a query that
+    sees no key, whose output is 0).
+
+    Raises TypeError / ValueError on bad input before anything is written; a paged cache
+    (block_table) is not supported yet (ValueError).
+    """
+    if block_table is not None:
+        raise ValueError(
+            "block_table: a paged KV cache is not supported yet; pass a contiguous "
+            "[B, Sk_cache, Hkv, D] cache"
+        )
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            got = f"{t.dim()}-D" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a 4-D tensor, got {got}")
+    batch, seqlen_q, _, head_dim = q.shape
+    cache_rows, seqlen_cache, heads_kv, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, "
+            f"got {tuple(v_cache.shape)}"
+        )
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(
+                f"{name}: expected dtype {q.dtype} on {q.device} like q, got {t.dtype} on "
+                f"{t.device}"
+            )
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"k_cache: expected dim 3 (head_dim) to be D={head_dim} like q, got {k_cache.shape[3]}"
+        )
+    rows = _cache_rows(cache_batch_idx, batch, cache_rows, q.device)
+    seqlen_new = _check_new(k, v, batch, heads_kv, head_dim, q)
+    lengths = _cache_lengths(cache_seqlens, batch, seqlen_cache, seqlen_new, q.device)
+    check_bool("is_causal", is_causal)
+    check_bool("return_lse", return_lse)
+    left, right = check_window_size(window_size)
+    heads = q.shape[2]
+    for name, t in (("attn_mask", attn_mask), ("attn_bias", attn_bias)):
+        if t is not None:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+            check_broadcast(t, name, batch, heads, heads_kv, seqlen_q, seqlen_cache)
+
+    with torch.no_grad():
+        if seqlen_new > 0:
+            # append: cache row rows[b], positions lengths[b] .. lengths[b] + Snew - 1
+            slots = lengths[:, None] + torch.arange(seqlen_new, device=q.device)
+            cache_index = (torch.arange(batch, device=q.device) if rows is None else rows)[:, None]
+            k_cache[cache_index, slots] = k
+            v_cache[cache_index, slots] = v
+        # the cache rows of this batch (gathered only when cache_batch_idx is given)
+        keys = k_cache if rows is None else k_cache[rows]
+        values = v_cache if rows is None else v_cache[rows]
+        mask = _visible(lengths + seqlen_new, seqlen_q, seqlen_cache, is_causal, left, right)
+        if attn_mask is not None:
+            mask = mask & (attn_mask.unsqueeze(2) if attn_mask.dim() == 3 else attn_mask)
+        return flash_dmattn_func(
+            q, keys, values, mask, attn_bias, softmax_scale=softmax_scale, softcap=softcap,
+            return_lse=return_lse,
+        )  # fmt: skip
+
+
+def _cache_rows(
+    cache_batch_idx: Tensor | None, batch: int, cache_rows: int, device: torch.device
+) -> Tensor | None:
+    """The cache row of each batch row (None: row b for batch row b)."""
+    if cache_batch_idx is None:
+        if cache_rows != batch:
+            raise ValueError(
+                f"k_cache: expected dim 0 to be B={batch} like q (or give cache_batch_idx), "
+                f"got {cache_rows}"
+            )
+        return None
+    if not isinstance(cache_batch_idx, Tensor) or cache_batch_idx.dtype.is_floating_point:
+        raise TypeError("cache_batch_idx: expected an integer tensor [B]")
+    if cache_batch_idx.shape != (batch,):
+        raise ValueError(
+            f"cache_batch_idx: expected shape [{batch}], got {tuple(cache_batch_idx.shape)}"
+        )
+    rows = cache_batch_idx.to(device=device, dtype=torch.long)
+    low, high = int(rows.min()), int(rows.max())
+    if low < 0 or high >= cache_rows:
+        raise ValueError(
+            f"cache_batch_idx: expected values in [0, {cache_rows}), got {low}..{high}"
+        )
+    if rows.unique().numel() != batch:
+        raise ValueError("cache_batch_idx: expected distinct rows (each is written to)")
+    return rows
+
+
+def _check_new(
+    k: Tensor | None, v: Tensor | None, batch: int, heads_kv: int, head_dim: int, q: Tensor
+) -> int:
+    """Snew of the new keys and values (0 without them)."""
+    if (k is None) != (v is None):
+        raise ValueError("k, v: expected both or neither")
+    if k is None:
+        return 0
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor [B, Snew, Hkv, D]")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name}: expected dtype {q.dtype} on {q.device} like q")
+        expected = (batch, k.shape[1], heads_kv, head_dim)
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name}: expected shape {list(expected)}, got {list(t.shape)}")
+    return k.shape[1]
+
+
+def _cache_lengths(
+    cache_seqlens: int | Tensor | None,
+    batch: int,
+    seqlen_cache: int,
+    seqlen_new: int,
+    device: torch.device,
+) -> Tensor:
+    """cache_seqlens as a long tensor [B], each length with room for the Snew new keys."""
+    if cache_seqlens is None:
+        lengths = torch.full((batch,), seqlen_cache - seqlen_new, dtype=torch.long, device=device)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lengths = torch.full((batch,), cache_seqlens, dtype=torch.long, device=device)
+    elif isinstance(cache_seqlens, Tensor) and not cache_seqlens.dtype.is_floating_point:
+        if cache_seqlens.shape != (batch,):
+            raise ValueError(
+                f"cache_seqlens: expected an int or shape [{batch}], "
+                f"got {tuple(cache_seqlens.shape)}"
+            )
+        lengths = cache_seqlens.to(device=device, dtype=torch.long)
+    else:
+        raise TypeError("cache_seqlens: expected an int or an integer tensor [B]")
+    low, high = int(lengths.min()), int(lengths.max())
+    if low < 0 or high + seqlen_new > seqlen_cache:
+        raise ValueError(
+            f"cache_seqlens: expected lengths in [0, Sk_cache - Snew] = [0, "
+            f"{seqlen_cache - seqlen_new}], got {low}..{high}"
+        )
+    return lengths
+
+
+def _visible(
+    lengths: Tensor, seqlen_q: int, seqlen_cache: int, causal: bool, left: int, right: int
+) -> Tensor:
+    """bool [B, 1, 1 or Sq, Sk_cache]: key j of row b is one of its first lengths[b] keys and,
+    with causal / window limits, in query i's band, aligned so query Sq - 1 sits at key
+    lengths[b] - 1."""
+    cols = torch.arange(seqlen_cache, device=lengths.device)
+    visible = cols[None, :] < lengths[:, None]  # [B, Sk]
+    if not (causal or left >= 0 or right >= 0):
+        return visible[:, None, None, :]
+    # the key position of each query row: i + lengths[b] - Sq
+    rows = torch.arange(seqlen_q, device=lengths.device)[None, :] + (lengths[:, None] - seqlen_q)
+    rows, cols = rows[:, :, None], cols[None, None, :]  # [B, Sq, 1], [1, 1, Sk]
+    band = visible[:, None, :]
+    if causal:
+        band = band & (cols <= rows)
+    if right >= 0:
+        band = band & (cols <= rows + right)
+    if left >= 0:
+        band = band & (cols >= rows - left)
+    return band[:, None]
+
+
+__all__ = ["flash_dmattn_with_kvcache"]

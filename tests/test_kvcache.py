@@ -1,0 +1,160 @@
+"""flash_dmattn_with_kvcache: the new keys and values land in the cache in place, and the
+attention equals flash_dmattn_func's reference over each row's own keys (its first
+cache_seqlens[b] + Snew), causal and window aligned to that length, mask and bias by cache
+position. On CPU tensors (the reference path) and, marked gpu, on CUDA (the kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmattn_cute import flash_dmattn_with_kvcache
+from dmattn_cute.reference import attention_ref
+from tests.utils import check_close
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def make_cache(device, batch=3, cache_len=40, heads=4, heads_kv=2, head_dim=32, rows=None,
+               dtype=torch.bfloat16, seed=0):  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape):
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    cache_rows = batch if rows is None else rows
+    return {
+        "q": lambda sq: normal(batch, sq, heads, head_dim),
+        "k_cache": normal(cache_rows, cache_len, heads_kv, head_dim),
+        "v_cache": normal(cache_rows, cache_len, heads_kv, head_dim),
+        "new": lambda snew: (normal(batch, snew, heads_kv, head_dim),
+                             normal(batch, snew, heads_kv, head_dim)),
+        "gen": gen,
+    }  # fmt: skip
+
+
+def expected(q, k_cache, v_cache, rows, lengths, mask, bias, **options):
+    """Per batch row b: the references (fp32, and in q's dtype) over the first lengths[b]
+    keys of cache row rows[b]; mask and bias sliced alike. Returns (out, lse, out_lowp)."""
+    outs, lses, lowps = [], [], []
+    for b, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        keys, values = k_cache[row : row + 1, :length], v_cache[row : row + 1, :length]
+        m = None if mask is None else mask[b if mask.shape[0] > 1 else 0][None, ..., :length]
+        if m is not None and mask.shape[-1] == 1:
+            m = mask[b if mask.shape[0] > 1 else 0][None]
+        bb = None if bias is None else bias[b if bias.shape[0] > 1 else 0][None, ..., :length]
+        if bb is not None and bias.shape[-1] == 1:
+            bb = bias[b if bias.shape[0] > 1 else 0][None]
+        qb = q[b : b + 1]
+        if length == 0:  # no key at all: zero output, -inf lse
+            outs.append(torch.zeros_like(qb, dtype=torch.float32))
+            lses.append(torch.full((1, q.shape[2], q.shape[1]), float("-inf")))
+            lowps.append(torch.zeros_like(qb))
+            continue
+        out, lse = attention_ref(qb, keys, values, m, bb, compute_dtype=torch.float32, **options)
+        lowp, _ = attention_ref(qb, keys, values, m, bb, compute_dtype=None, **options)
+        outs.append(out)
+        lses.append(lse.cpu())
+        lowps.append(lowp)
+    return torch.cat(outs), torch.cat(lses), torch.cat(lowps)
+
+
+CASES = {
+    "decode": {"sq": 1, "snew": 1, "lengths": [0, 17, 39]},
+    "decode-causal-window": {"sq": 1, "snew": 1, "lengths": [5, 20, 39], "is_causal": True,
+                             "window_size": (8, 0)},
+    "chunk-causal": {"sq": 5, "snew": 5, "lengths": [0, 9, 35], "is_causal": True},
+    "queries-without-new-keys": {"sq": 3, "snew": 0, "lengths": [4, 40, 12], "is_causal": True},
+    "mask-bias": {"sq": 2, "snew": 2, "lengths": [3, 21, 30], "mask": (3, 2, 2, 40),
+                  "bias": (1, 4, 1, 40)},
+    "key-mask-softcap": {"sq": 1, "snew": 1, "lengths": [10, 0, 38], "mask": (3, 1, 40),
+                         "softcap": 3.0},
+    "batch-idx": {"sq": 2, "snew": 1, "lengths": [6, 30, 2], "rows": [4, 0, 2],
+                  "is_causal": True},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_matches_reference_over_each_rows_keys(case, device):
+    rows = case.get("rows")
+    data = make_cache(device, rows=None if rows is None else 5)
+    q = data["q"](case["sq"])
+    k_new, v_new = data["new"](case["snew"])
+    k_cache, v_cache = data["k_cache"], data["v_cache"]
+    before = (k_cache.clone(), v_cache.clone())
+    gen = data["gen"]
+    mask = bias = None
+    if "mask" in case:
+        mask = torch.rand(case["mask"], generator=gen, device=device) < 0.6
+    if "bias" in case:
+        bias = torch.randn(case["bias"], generator=gen, device=device, dtype=q.dtype)
+    lengths = torch.tensor(case["lengths"], dtype=torch.int32, device=device)
+    options = {key: case[key] for key in ("is_causal", "window_size", "softcap") if key in case}
+    out, lse = flash_dmattn_with_kvcache(
+        q, k_cache, v_cache, k_new if case["snew"] else None, v_new if case["snew"] else None,
+        cache_seqlens=lengths, attn_mask=mask, attn_bias=bias,
+        cache_batch_idx=None if rows is None else torch.tensor(rows, device=device),
+        return_lse=True, **options,
+    )  # fmt: skip
+
+    # the cache: the new rows written after each row's keys, everything else untouched
+    cache_rows = list(range(q.shape[0])) if rows is None else rows
+    want_k, want_v = before[0].clone(), before[1].clone()
+    for b, (row, length) in enumerate(zip(cache_rows, case["lengths"], strict=True)):
+        want_k[row, length : length + case["snew"]] = k_new[b]
+        want_v[row, length : length + case["snew"]] = v_new[b]
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+    totals = [length + case["snew"] for length in case["lengths"]]
+    ref, ref_lse, lowp = expected(q, k_cache, v_cache, cache_rows, totals, mask, bias, **options)
+    check_close("out", out, ref, lowp, q.dtype)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
+    for b, total in enumerate(totals):
+        if total == 0:  # a row with no key: exactly zero, lse -inf
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            assert lse[b].isneginf().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_lengths_are_the_whole_cache(device):
+    data = make_cache(device)
+    q = data["q"](2)
+    k_cache, v_cache = data["k_cache"], data["v_cache"]
+    out = flash_dmattn_with_kvcache(q, k_cache, v_cache, is_causal=True)
+    ref, _, lowp = expected(q, k_cache, v_cache, range(3), [40] * 3, None, None, is_causal=True)
+    check_close("out", out, ref, lowp, q.dtype)
+
+
+BAD_CALLS = {
+    "k-without-v": ({"k": "new_k"}, ValueError, "k, v: expected both or neither"),
+    "lengths-overflow": ({"k": "new_k", "v": "new_v", "cache_seqlens": 40}, ValueError,
+                         r"cache_seqlens: expected lengths in \[0, Sk_cache - Snew\]"),
+    "lengths-shape": ({"cache_seqlens": "short"}, ValueError, "cache_seqlens: expected an int"),
+    "lengths-float": ({"cache_seqlens": 1.5}, TypeError, "cache_seqlens: expected an int"),
+    "paged": ({"block_table": "table"}, ValueError, "block_table: a paged KV cache"),
+    "cache-dtype": ({"k_cache": "fp16"}, TypeError, "k_cache: expected dtype"),
+    "batch-idx-repeat": ({"cache_batch_idx": "repeat"}, ValueError, "distinct rows"),
+    "mask-keys": ({"attn_mask": "short"}, ValueError, r"attn_mask: expected dim 3 \(keys\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("call", BAD_CALLS.values(), ids=BAD_CALLS.keys())
+def test_bad_input_raises_before_writing(call):
+    data = make_cache("cpu")
+    q, (k_new, v_new) = data["q"](1), data["new"](1)
+    args = {"k_cache": data["k_cache"], "v_cache": data["v_cache"]}
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    values = {
+        "new_k": k_new, "new_v": v_new, "short": torch.tensor([1, 2]),
+        "table": torch.zeros(3, 4, dtype=torch.int32),
+        "fp16": data["k_cache"].half(), "repeat": torch.tensor([0, 0, 1]),
+    }  # fmt: skip
+    kwargs, error, message = call
+    for key, value in kwargs.items():
+        args[key] = values.get(value, value) if isinstance(value, str) else value
+    if kwargs.get("attn_mask") == "short":
+        args["attn_mask"] = torch.ones(3, 2, 1, 39, dtype=torch.bool)
+    with pytest.raises(error, match=message):
+        flash_dmattn_with_kvcache(q, **args)
+    assert torch.equal(data["k_cache"], before[0]) and torch.equal(data["v_cache"], before[1])
