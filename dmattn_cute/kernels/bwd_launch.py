@@ -2,11 +2,12 @@
 and the fp32 -> input dtype casts.
 
 dq is accumulated in fp32 ([B, Sq, H, D], zeroed here) and cast at the end; dk and dv are
-written by the kernel in the input dtype. On sm_90a a call without mask, bias or deterministic
-order runs the Hopper kernel (kernels/sm90/bwd.py), every other call the mma.sync kernel; when
-the Hopper kernel's grid (key blocks x kv heads x batch) is under two waves of the GPU's SMs,
-a group's query heads are split over several CTAs, which add fp32 dk/dv partial sums. dbias is either written by the kernel in the bias
-dtype, or accumulated in an fp32 buffer of the bias's shape and cast (see kernels/bwd.py).
+written by the kernel in the input dtype. On sm_90a every call that is not deterministic and
+whose mask/bias tiles fit runs the Hopper kernel (kernels/sm90/bwd.py), every other call the
+mma.sync kernel; when the Hopper kernel's grid (key blocks x kv heads x batch) is under two
+waves of the GPU's SMs, a group's query heads are split over several CTAs, which add fp32
+dk/dv partial sums. dbias is either written by the kernel in the bias dtype, or accumulated in
+an fp32 buffer of the bias's shape and cast (see kernels/bwd.py).
 """
 
 from __future__ import annotations
