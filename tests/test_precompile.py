@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dmattn_cute import precompile
-from dmattn_cute.jit import cache, smem_capacity
+from dmattn_cute.jit import KERNELS_ENV, cache, smem_capacity
 from dmattn_cute.kernels.bwd import BwdSpec
 from dmattn_cute.kernels.bwd_launch import backward_spec_of
 from dmattn_cute.kernels.fwd import FwdSpec
@@ -199,3 +199,18 @@ def test_backward_kernel_per_arch(arch: str, case: str) -> None:
     hopper = arch == "sm_90a" and case != "deterministic"
     assert isinstance(spec, Sm90BwdSpec if hopper else BwdSpec)
     assert spec.smem_bytes() <= smem_capacity(arch)
+
+
+def test_kernels_setting_picks_the_mma_sync_families(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DMATTN_CUTE_KERNELS=mma_sync: sm_90a plans the mma.sync forward and backward; any other
+    value is refused."""
+    q, k, v, _, _ = random_inputs(2, 100, 140, 4, 2, 64, torch.bfloat16, "cpu")
+    problem, mask4, bias4 = make_problem(q, k, v, None, None, None, True, 0.0, (-1, -1), False)
+    monkeypatch.setenv(KERNELS_ENV, "mma_sync")
+    assert forward_family("sm_90a") is FwdSpec
+    assert isinstance(backward_spec_of(problem, mask4, bias4, False, "sm_90a"), BwdSpec)
+    monkeypatch.setenv(KERNELS_ENV, "wgmma")
+    with pytest.raises(ValueError, match="DMATTN_CUTE_KERNELS: expected unset or 'mma_sync'"):
+        forward_family("sm_90a")
+    monkeypatch.delenv(KERNELS_ENV)
+    assert forward_family("sm_90a") is Sm90FwdSpec

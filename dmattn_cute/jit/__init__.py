@@ -3,10 +3,12 @@
 
 from dmattn_cute.jit.arch import (
     ARCH_ENV,
+    KERNELS_ENV,
     SUPPORTED_ARCHS,
     arch_for_capability,
     check_arch,
     compile_options,
+    hopper_kernels,
     smem_capacity,
     target_arch,
 )
@@ -23,6 +25,7 @@ from dmattn_cute.jit.cache import (
 __all__ = [
     "ARCH_ENV",
     "CACHE_ENV",
+    "KERNELS_ENV",
     "SUPPORTED_ARCHS",
     "KernelSpec",
     "arch_for_capability",
@@ -32,6 +35,7 @@ __all__ = [
     "compile_count",
     "compile_options",
     "compiled",
+    "hopper_kernels",
     "load_count",
     "smem_capacity",
     "target_arch",

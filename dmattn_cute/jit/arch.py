@@ -14,6 +14,9 @@ import torch
 
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 ARCH_ENV = "DMATTN_CUTE_ARCH"
+# "mma_sync": run the SM80-family (mma.sync) kernels on sm_90a too, instead of the Hopper
+# (wgmma) ones: the portable kernels tested on a Hopper GPU, or a fallback.
+KERNELS_ENV = "DMATTN_CUTE_KERNELS"
 
 # sm_87 (Orin) runs sm_86 code; sm_90a is the arch-specific Hopper target (wgmma, setmaxnreg),
 # valid on compute capability 9.0 only.
@@ -106,3 +109,14 @@ def compile_options(arch: str, extra: str = "") -> str:
     converting each tensor through DLPack in Python costs tens.
     """
     return f"--gpu-arch {check_arch(arch)} --enable-tvm-ffi {extra}".strip()
+
+
+def hopper_kernels(arch: str) -> bool:
+    """Whether calls compiled for `arch` run the Hopper (wgmma) kernel families: on sm_90a,
+    unless ``$DMATTN_CUTE_KERNELS`` is ``mma_sync``."""
+    if arch != "sm_90a":
+        return False
+    choice = os.environ.get(KERNELS_ENV, "")
+    if choice not in ("", "mma_sync"):
+        raise ValueError(f"{KERNELS_ENV}: expected unset or 'mma_sync', got {choice!r}")
+    return choice != "mma_sync"

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from ..jit.arch import target_arch
+from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled
 from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
 from .block_bits import BlockBitsSpec
@@ -102,7 +102,7 @@ def bwd_spec(
     dtype = dtype_name(problem.dtype)
     operands = (operand_spec(mask, problem.seqlen_k), operand_spec(bias, problem.seqlen_k))
     flags = (problem.has_window, problem.softcap > 0)
-    if arch == "sm_90a" and not problem.deterministic:
+    if hopper_kernels(arch) and not problem.deterministic:
         try:
             spec = Sm90BwdSpec.build(arch, dtype, problem.head_dim, *operands, dbias, *flags)
         except ValueError:

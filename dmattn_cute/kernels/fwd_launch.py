@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..jit.arch import target_arch
+from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled
 from ..problem import Problem
 from .block_bits import BlockBitsSpec
@@ -31,8 +31,9 @@ def forward_spec_of(
 
 def forward_family(arch: str) -> type[FwdSpec | Sm90FwdSpec]:
     """The forward kernel family of an architecture: the warp-specialized wgmma kernel on
-    sm_90a, the mma.sync kernel on sm_80/86/89."""
-    return Sm90FwdSpec if arch == "sm_90a" else FwdSpec
+    sm_90a (unless jit.arch.hopper_kernels says otherwise), the mma.sync kernel on
+    sm_80/86/89."""
+    return Sm90FwdSpec if hopper_kernels(arch) else FwdSpec
 
 
 def fwd_spec(
