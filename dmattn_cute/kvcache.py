@@ -14,7 +14,10 @@ This is the inference API: it runs without autograd. Today it runs the attention
 the whole cache length with the per-row lengths (and causal/window limits) as a boolean mask
 [B, 1, Sq, Sk_cache] combined with the caller's mask, so key blocks past a row's length are
 skipped whole; a split-KV decode kernel with per-row lengths in the kernel is the next step
-(issue 16).
+(issue 16). Until then the cache slots past a row's length must hold finite values (a cache
+made with torch.zeros, or one only ever written by this function): the key block that holds a
+row's last keys is read whole, and a masked key's weight 0 times a NaN value is NaN, in the
+kernels as in the reference.
 """
 
 from __future__ import annotations
