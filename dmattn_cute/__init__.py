@@ -3,5 +3,11 @@
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.kvcache import flash_dmattn_with_kvcache
 from dmattn_cute.masks import create_mask
+from dmattn_cute.varlen import flash_dmattn_varlen_func
 
-__all__ = ["create_mask", "flash_dmattn_func", "flash_dmattn_with_kvcache"]
+__all__ = [
+    "create_mask",
+    "flash_dmattn_func",
+    "flash_dmattn_varlen_func",
+    "flash_dmattn_with_kvcache",
+]

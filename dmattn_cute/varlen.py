@@ -1,0 +1,172 @@
+"""Attention over packed variable-length sequences, in FlashAttention's `flash_attn_varlen_func`
+convention, with a mask and a trainable bias.
+
+    out = flash_dmattn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, attn_bias=bias, is_causal=True)
+
+q is [total_q, H, D] and k, v are [total_k, Hkv, D]: sequence i holds the query rows
+cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 and the key rows cu_seqlens_k[i] ..
+cu_seqlens_k[i + 1] - 1, and attends only within itself (causal and window limits aligned to
+its own bottom-right corner). A mask or a bias is given either
+
+- per key token: [Hm, total_k] (Hm in 1, Hkv, H), the same for every query of the sequence
+  (e.g. a per-key dynamic-mask bias), or
+- per sequence: a list of N tensors, tensor i broadcastable as flash_dmattn_func's operands
+  over that sequence: [Hm, Qm, Km] (Qm in 1, Sq_i; Km in 1, Sk_i) or [Hm, Km].
+
+Differentiable in q, k, v and the bias (dbias in the bias's shape and dtype). Today it runs
+flash_dmattn_func once per sequence on views of the packed tensors (nothing is padded or
+copied), so many short sequences cost one launch each; a kernel that walks cu_seqlens itself
+is the next step (issue 16).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dmattn_cute.attention import flash_dmattn_func
+from dmattn_cute.problem import check_bool, check_problem
+
+Operand = Tensor | Sequence[Tensor] | None
+
+
+def flash_dmattn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    attn_mask: Operand = None,
+    attn_bias: Operand = None,
+    softmax_scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    window_size: tuple[int, int] = (-1, -1),
+    deterministic: bool = False,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of each packed sequence with itself.
+
+    q: [total_q, H, D]; k, v: [total_k, Hkv, D]. cu_seqlens_q, cu_seqlens_k: integer [N + 1],
+    starting at 0, non-decreasing, ending at total_q / total_k. max_seqlen_q / max_seqlen_k:
+    at least the longest sequence (as FlashAttention takes them). attn_mask (bool) and
+    attn_bias: per key token [Hm, total_k], or a list of N per-sequence operands (module
+    docstring). Other arguments as flash_dmattn_func. Returns out [total_q, H, D] and, with
+    return_lse, lse [H, total_q] (float32; -inf for a query whose sequence has no key, whose
+    output is then 0).
+    Raises TypeError / ValueError on bad input before any kernel runs.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            got = f"{t.dim()}-D" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a 3-D packed tensor [total, heads, D], got {got}")
+    seqlens_q = _seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    seqlens_k = _seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    if len(seqlens_q) != len(seqlens_k):
+        raise ValueError(
+            f"cu_seqlens_k: expected {len(seqlens_q) + 1} entries like cu_seqlens_q, got "
+            f"{len(seqlens_k) + 1}"
+        )
+    check_bool("return_lse", return_lse)
+    masks = _per_sequence("attn_mask", attn_mask, seqlens_k)
+    biases = _per_sequence("attn_bias", attn_bias, seqlens_k)
+
+    pieces = list(
+        zip(q.split(seqlens_q), k.split(seqlens_k), v.split(seqlens_k), masks, biases, strict=True)
+    )
+    options = (softmax_scale, is_causal, softcap, window_size, deterministic)
+    for i, (q_i, k_i, v_i, mask_i, bias_i) in enumerate(pieces):
+        # every sequence is checked before any runs (a message names its index)
+        if q_i.shape[0] and k_i.shape[0]:
+            try:
+                check_problem(
+                    q_i[None], k_i[None], v_i[None], _batch(mask_i), _batch(bias_i), *options
+                )
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"sequence {i}: {err}") from err
+
+    outs, lses = [], []
+    for q_i, k_i, v_i, mask_i, bias_i in pieces:
+        if q_i.shape[0] == 0:
+            continue
+        if k_i.shape[0] == 0:  # no key: out 0, lse -inf (and no gradient flows)
+            outs.append(torch.zeros_like(q_i))
+            lses.append(
+                q_i.new_full((q.shape[1], q_i.shape[0]), float("-inf"), dtype=torch.float32)
+            )
+            continue
+        out_i, lse_i = flash_dmattn_func(
+            q_i[None], k_i[None], v_i[None], _batch(mask_i), _batch(bias_i),
+            softmax_scale=softmax_scale, is_causal=is_causal, softcap=softcap,
+            window_size=window_size, deterministic=deterministic, return_lse=True,
+        )  # fmt: skip
+        outs.append(out_i[0])
+        lses.append(lse_i[0])
+    out = torch.cat(outs) if outs else q.new_zeros(q.shape)
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, dim=1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
+    return out, lse
+
+
+def _batch(t: Tensor | None) -> Tensor | None:
+    """A sequence's operand with the batch dim of one (a view)."""
+    return None if t is None else t[None]
+
+
+def _seqlens(name: str, cu: object, total: int, max_len: object, max_name: str) -> list[int]:
+    """The sequence lengths of a cu_seqlens tensor, checked against the packed total and the
+    given maximum."""
+    if not isinstance(cu, Tensor) or cu.dtype.is_floating_point or cu.dim() != 1:
+        raise TypeError(f"{name}: expected a 1-D integer tensor [N + 1]")
+    if cu.numel() < 2:
+        raise ValueError(f"{name}: expected at least 2 entries (one sequence), got {cu.numel()}")
+    bounds = cu.tolist()
+    lengths = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+    if bounds[0] != 0 or bounds[-1] != total or min(lengths) < 0:
+        raise ValueError(
+            f"{name}: expected non-decreasing offsets from 0 to {total} (the packed length), "
+            f"got {bounds[0]}..{bounds[-1]}" + (" with a decrease" if min(lengths) < 0 else "")
+        )
+    if not isinstance(max_len, int) or isinstance(max_len, bool):
+        raise TypeError(f"{max_name}: expected an int, got {type(max_len).__name__}")
+    if max_len < max(lengths):
+        raise ValueError(
+            f"{max_name}: expected at least the longest sequence {max(lengths)}, got {max_len}"
+        )
+    return lengths
+
+
+def _per_sequence(name: str, operand: Operand, seqlens_k: list[int]) -> list[Tensor | None]:
+    """The operand of each sequence: None, a slice of a per-key-token [Hm, total_k] tensor
+    (as [Hm, Sk_i], which flash_dmattn_func reads as Qm = 1), or the list's own tensor."""
+    count = len(seqlens_k)
+    if operand is None:
+        return [None] * count
+    if isinstance(operand, Tensor):
+        if operand.dim() != 2 or operand.shape[1] != sum(seqlens_k):
+            raise ValueError(
+                f"{name}: expected a per-key-token [Hm, total_k={sum(seqlens_k)}] tensor or a "
+                f"list of {count} per-sequence tensors, got shape {tuple(operand.shape)}"
+            )
+        return list(operand.split(seqlens_k, dim=1))
+    if isinstance(operand, (list, tuple)) and len(operand) == count:
+        for i, t in enumerate(operand):
+            if not isinstance(t, Tensor) or t.dim() not in (2, 3):
+                raise ValueError(
+                    f"{name}[{i}]: expected a 2-D [Hm, Km] or 3-D [Hm, Qm, Km] tensor of sequence {i}"
+                )
+        return list(operand)
+    raise ValueError(
+        f"{name}: expected a per-key-token [Hm, total_k] tensor or a list of {count} "
+        f"per-sequence tensors, got {type(operand).__name__}"
+    )
+
+
+__all__ = ["flash_dmattn_varlen_func"]
