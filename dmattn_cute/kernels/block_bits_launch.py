@@ -91,9 +91,6 @@ def launch_block_bits(
     return out
 
 
-__all__ = ["block_bits", "block_bits_shape", "block_bits_spec", "launch_block_bits", "mask_view"]
-
-
 def mask_block_bits(
     mask: torch.Tensor, mask_spec: OperandSpec, seqlen_q: int, seqlen_k: int, tile: tuple[int, int],
     arch: str,
@@ -104,3 +101,13 @@ def mask_block_bits(
     bits = launch_block_bits(mask, BlockBitsSpec(mask_spec, *tile), seqlen_q, seqlen_k, arch)
     strides = [0 if bits.shape[d] == 1 else bits.stride(d) for d in range(2)]
     return bits.as_strided(bits.shape, (*strides, *bits.stride()[2:]))
+
+
+__all__ = [
+    "block_bits",
+    "block_bits_shape",
+    "block_bits_spec",
+    "launch_block_bits",
+    "mask_block_bits",
+    "mask_view",
+]
