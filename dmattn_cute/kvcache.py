@@ -13,9 +13,10 @@ position: their key dim is the cache's length (or 1).
 This is the inference API: it runs without autograd. Today it runs the attention kernels over
 the whole cache length with the per-row lengths (and causal/window limits) as a boolean mask
 [B, 1, Sq, Sk_cache] combined with the caller's mask, so key blocks past a row's length are
-skipped whole; a split-KV decode kernel with per-row lengths in the kernel is the next step
-(issue 16). Until then the cache slots past a row's length must hold finite values (a cache
-made with torch.zeros, or one only ever written by this function): the key block that holds a
+skipped whole; a paged cache (block_table) is first gathered into a contiguous copy. A
+split-KV decode kernel with per-row lengths and pages in the kernel is the next step (issue
+16). Until then the cache slots past a row's length must hold finite values (a cache made
+with torch.zeros, or one only ever written by this function): the key block that holds a
 row's last keys is read whole, and a masked key's weight 0 times a NaN value is NaN, in the
 kernels as in the reference.
 """
@@ -49,7 +50,9 @@ def flash_dmattn_with_kvcache(
     """Attention of q against the cache, after appending k, v to it in place.
 
     q: [B, Sq, H, D]; k_cache, v_cache: [Bc, Sk_cache, Hkv, D] (Bc = B, or any size with
-    cache_batch_idx), q's dtype and device. k, v: [B, Snew, Hkv, D] or None (both or
+    cache_batch_idx), q's dtype and device; or, paged, [num_pages, page_size, Hkv, D] with
+    block_table: integer [B, pages_per_row], row b's key p at page block_table[b, p //
+    page_size], slot p % page_size (Sk_cache = pages_per_row * page_size; no cache_batch_idx). k, v: [B, Snew, Hkv, D] or None (both or
     neither). cache_seqlens: the valid keys of each row before the append, an int or an
     integer tensor [B] (default: the whole cache, Sk_cache - Snew). cache_batch_idx: integer
     [B], the cache row of each batch row (default: row b). attn_mask (bool, True = attend) and
@@ -57,20 +60,21 @@ def flash_dmattn_with_kvcache(
     [B, Sq, H, D] and, with return_lse, lse [B, H, Sq] (natural log; -inf for a query that
     sees no key, whose output is 0).
 
-    Raises TypeError / ValueError on bad input before anything is written; a paged cache
-    (block_table) is not supported yet (ValueError).
+    A paged cache is gathered into a contiguous [B, Sk_cache, Hkv, D] copy for the attention
+    (the new keys and values are written into their pages in place); a paged decode kernel
+    that reads the pages where they are is the next step (issue 16).
+    Raises TypeError / ValueError on bad input before anything is written.
     """
-    if block_table is not None:
-        raise ValueError(
-            "block_table: a paged KV cache is not supported yet; pass a contiguous "
-            "[B, Sk_cache, Hkv, D] cache"
-        )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = f"{t.dim()}-D" if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name}: expected a 4-D tensor, got {got}")
     batch, seqlen_q, _, head_dim = q.shape
     cache_rows, seqlen_cache, heads_kv, _ = k_cache.shape
+    pages = None
+    if block_table is not None:
+        pages = _check_block_table(block_table, cache_batch_idx, batch, cache_rows, q.device)
+        seqlen_cache = pages.shape[1] * k_cache.shape[1]  # the rows' logical length
     if v_cache.shape != k_cache.shape:
         raise ValueError(
             f"v_cache: expected the shape of k_cache {tuple(k_cache.shape)}, "
@@ -86,7 +90,7 @@ def flash_dmattn_with_kvcache(
         raise ValueError(
             f"k_cache: expected dim 3 (head_dim) to be D={head_dim} like q, got {k_cache.shape[3]}"
         )
-    rows = _cache_rows(cache_batch_idx, batch, cache_rows, q.device)
+    rows = None if pages is not None else _cache_rows(cache_batch_idx, batch, cache_rows, q.device)
     seqlen_new = _check_new(k, v, batch, heads_kv, head_dim, q)
     lengths = _cache_lengths(cache_seqlens, batch, seqlen_cache, seqlen_new, q.device)
     check_bool("is_causal", is_causal)
@@ -103,12 +107,21 @@ def flash_dmattn_with_kvcache(
         if seqlen_new > 0:
             # append: cache row rows[b], positions lengths[b] .. lengths[b] + Snew - 1
             slots = lengths[:, None] + torch.arange(seqlen_new, device=q.device)
-            cache_index = (torch.arange(batch, device=q.device) if rows is None else rows)[:, None]
+            if pages is not None:  # position p: page pages[b, p // page_size], p % page_size
+                page_size = k_cache.shape[1]
+                cache_index, slots = pages.gather(1, slots // page_size), slots % page_size
+            else:
+                cache_index = torch.arange(batch, device=q.device) if rows is None else rows
+                cache_index = cache_index[:, None]
             k_cache[cache_index, slots] = k
             v_cache[cache_index, slots] = v
-        # the cache rows of this batch (gathered only when cache_batch_idx is given)
-        keys = k_cache if rows is None else k_cache[rows]
-        values = v_cache if rows is None else v_cache[rows]
+        # the cache rows of this batch (gathered when cache_batch_idx or pages say where)
+        if pages is not None:
+            keys = k_cache[pages].flatten(1, 2)  # [B, pages, page_size, ...] -> [B, Sk_cache, ...]
+            values = v_cache[pages].flatten(1, 2)
+        else:
+            keys = k_cache if rows is None else k_cache[rows]
+            values = v_cache if rows is None else v_cache[rows]
         mask = _visible(lengths + seqlen_new, seqlen_q, seqlen_cache, is_causal, left, right)
         if attn_mask is not None:
             mask = mask & (attn_mask.unsqueeze(2) if attn_mask.dim() == 3 else attn_mask)
@@ -144,6 +157,26 @@ def _cache_rows(
     if rows.unique().numel() != batch:
         raise ValueError("cache_batch_idx: expected distinct rows (each is written to)")
     return rows
+
+
+def _check_block_table(
+    block_table: object, cache_batch_idx: object, batch: int, num_pages: int, device
+) -> Tensor:
+    """block_table as a long tensor [B, pages_per_row] of pages in [0, num_pages)."""
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx: not with block_table (the table says where rows are)")
+    if not isinstance(block_table, Tensor) or block_table.dtype.is_floating_point:
+        raise TypeError("block_table: expected an integer tensor [B, pages_per_row]")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(
+            f"block_table: expected shape [B={batch}, pages_per_row >= 1], got "
+            f"{tuple(block_table.shape)}"
+        )
+    pages = block_table.to(device=device, dtype=torch.long)
+    low, high = int(pages.min()), int(pages.max())
+    if low < 0 or high >= num_pages:
+        raise ValueError(f"block_table: expected pages in [0, {num_pages}), got {low}..{high}")
+    return pages
 
 
 def _check_new(

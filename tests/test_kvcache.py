@@ -132,7 +132,10 @@ BAD_CALLS = {
                          r"cache_seqlens: expected lengths in \[0, Sk_cache - Snew\]"),
     "lengths-shape": ({"cache_seqlens": "short"}, ValueError, "cache_seqlens: expected an int"),
     "lengths-float": ({"cache_seqlens": 1.5}, TypeError, "cache_seqlens: expected an int"),
-    "paged": ({"block_table": "table"}, ValueError, "block_table: a paged KV cache"),
+    "paged-with-batch-idx": ({"block_table": "table", "cache_batch_idx": "rows"}, ValueError,
+                             "cache_batch_idx: not with block_table"),
+    "paged-page-range": ({"block_table": "bad_table"}, ValueError,
+                         r"block_table: expected pages in \[0, 3\)"),
     "cache-dtype": ({"k_cache": "fp16"}, TypeError, "k_cache: expected dtype"),
     "batch-idx-repeat": ({"cache_batch_idx": "repeat"}, ValueError, "distinct rows"),
     "mask-keys": ({"attn_mask": "short"}, ValueError, r"attn_mask: expected dim 3 \(keys\)"),
@@ -149,6 +152,7 @@ def test_bad_input_raises_before_writing(call):
         "new_k": k_new, "new_v": v_new, "short": torch.tensor([1, 2]),
         "table": torch.zeros(3, 4, dtype=torch.int32),
         "fp16": data["k_cache"].half(), "repeat": torch.tensor([0, 0, 1]),
+        "rows": torch.tensor([0, 1, 2]), "bad_table": torch.full((3, 2), 7),
     }  # fmt: skip
     kwargs, error, message = call
     for key, value in kwargs.items():
@@ -158,3 +162,31 @@ def test_bad_input_raises_before_writing(call):
     with pytest.raises(error, match=message):
         flash_dmattn_with_kvcache(q, **args)
     assert torch.equal(data["k_cache"], before[0]) and torch.equal(data["v_cache"], before[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_cache_matches_the_contiguous_one(device, causal):
+    """A paged cache (pages of 8 slots in a shuffled pool) gives the contiguous cache's
+    output and receives the new keys and values in the right pages."""
+    data = make_cache(device)
+    q, (k_new, v_new) = data["q"](2), data["new"](2)
+    k_flat, v_flat = data["k_cache"], data["v_cache"]  # [3, 40, Hkv, D]
+    page_size, per_row = 8, 5
+    order = torch.randperm(3 * per_row, generator=torch.Generator().manual_seed(1))
+    table = order.view(3, per_row).to(device)
+    k_pages = torch.empty(3 * per_row, page_size, *k_flat.shape[2:], device=device,
+                          dtype=k_flat.dtype)  # fmt: skip
+    v_pages = torch.empty_like(k_pages)
+    k_pages[table] = k_flat.view(3, per_row, page_size, *k_flat.shape[2:])
+    v_pages[table] = v_flat.view(3, per_row, page_size, *v_flat.shape[2:])
+    lengths = torch.tensor([0, 19, 38], dtype=torch.int32, device=device)
+    bias = torch.randn(3, 1, 1, 40, generator=data["gen"], device=device, dtype=q.dtype)
+    options = {"cache_seqlens": lengths, "attn_bias": bias, "is_causal": causal}
+    paged = flash_dmattn_with_kvcache(
+        q, k_pages, v_pages, k_new, v_new, block_table=table, **options
+    )
+    flat = flash_dmattn_with_kvcache(q, k_flat, v_flat, k_new, v_new, **options)
+    assert torch.equal(paged, flat)
+    assert torch.equal(k_pages[table].flatten(1, 2), k_flat)
+    assert torch.equal(v_pages[table].flatten(1, 2), v_flat)
