@@ -205,10 +205,12 @@ def _cache_lengths(
     seqlen_new: int,
     device: torch.device,
 ) -> Tensor:
-    """cache_seqlens as a long tensor [B], each length with room for the Snew new keys."""
+    """cache_seqlens as a long tensor [B], each length with room for the Snew new keys (a
+    tensor's values are read to check them: one device sync per call)."""
     if cache_seqlens is None:
-        lengths = torch.full((batch,), seqlen_cache - seqlen_new, dtype=torch.long, device=device)
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = seqlen_cache - seqlen_new
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        low = high = cache_seqlens  # known on the host: no sync
         lengths = torch.full((batch,), cache_seqlens, dtype=torch.long, device=device)
     elif isinstance(cache_seqlens, Tensor) and not cache_seqlens.dtype.is_floating_point:
         if cache_seqlens.shape != (batch,):
@@ -217,9 +219,9 @@ def _cache_lengths(
                 f"got {tuple(cache_seqlens.shape)}"
             )
         lengths = cache_seqlens.to(device=device, dtype=torch.long)
+        low, high = int(lengths.min()), int(lengths.max())
     else:
         raise TypeError("cache_seqlens: expected an int or an integer tensor [B]")
-    low, high = int(lengths.min()), int(lengths.max())
     if low < 0 or high + seqlen_new > seqlen_cache:
         raise ValueError(
             f"cache_seqlens: expected lengths in [0, Sk_cache - Snew] = [0, "
