@@ -48,6 +48,7 @@ from .config import (
 from .dbias import DbiasWriter
 from .masking import SCAN_BLOCKS, ScanState
 from .scores import Scores
+from .softmax import load_row_stats
 from .spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from .turns import DqTurns
 from .utils import acc_mn_view, red_add_f32x2
@@ -664,26 +665,14 @@ class FlashBwd:
         tm, dp = self.tile_m, self.head_dim_padded
         b, h, limits = head.b, head.h, walk.limits
         coord = mm.tScS[None, None, None, m_block]
-        coord_mn = acc_mn_view(coord)
 
-        # The forward's row max (accumulator units) and log2 row sum (+inf for rows past Sq
-        # and fully masked rows: P = 0 there), and dpsum, per row. Without a bias the forward
-        # folded the max into the sum (max 0); with one, the max is subtracted before scaling,
-        # as in the forward (a finfo.min bias row keeps its 1/n weights, kernels/softmax.py).
-        rows = cute.size(coord_mn.shape[0])
-        row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
-        log2sum = cute.make_rmem_tensor(rows, cutlass.Float32)
-        dpsum = cute.make_rmem_tensor(rows, cutlass.Float32)
-        for r in cutlass.range_constexpr(rows):
-            row = coord_mn[r, 0][0]
-            row_max[r] = 0.0
-            log2sum[r] = cutlass.Float32.inf
-            dpsum[r] = 0.0
-            if row < limits.seqlen_q:
-                if cutlass.const_expr(spec.bias is not None):
-                    row_max[r] = gmem.mStats[b, h, 0, row]
-                log2sum[r] = gmem.mStats[b, h, 1, row]
-                dpsum[r] = gmem.mDpsum[b, h, row]
+        # The forward's row max and log2 row sum, and dpsum, per row; with a bias the max is
+        # subtracted before scaling, as in the forward (a finfo.min bias row keeps its 1/n
+        # weights, kernels/softmax.py).
+        row_max, log2sum, dpsum = load_row_stats(
+            gmem.mStats, gmem.mDpsum, coord, b, h, limits.seqlen_q, spec.bias is not None
+        )
+        rows = cute.size(row_max)
 
         # ---- S = bias + Q K^T (bias-first), softcap, mask, limits; P ----
         t_bias = t_mask = dtanh = None

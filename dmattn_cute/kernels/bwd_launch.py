@@ -12,7 +12,6 @@ an fp32 buffer of the bias's shape and cast (see kernels/bwd.py).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -109,7 +108,9 @@ def bwd_spec(
             spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
         if spec is not None:
             if head_splits(problem, spec.tile.tile_n, sms) > 1:
-                spec = dataclasses.replace(spec, split_heads=True)
+                spec = Sm90BwdSpec.build(
+                    arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True
+                )
             return spec
     return BwdSpec.build(
         arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic, *fold

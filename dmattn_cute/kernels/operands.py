@@ -19,6 +19,7 @@ from cutlass import cute
 
 from . import tiles
 from .config import tile_row_elems
+from .spec import dtype_bytes
 
 
 def gmem_tiles(op, mX: cute.Tensor, b, hx, limits, m_block, n_block, pack: int = 1):
@@ -190,3 +191,21 @@ def mask_scan(op, mMask, b, hm, limits, m_block, n_block, used, num_threads, tid
         words=pack == 4,
         same_tile=op.row_broadcast and m_block is None,
     )
+
+
+@cute.jit
+def tiles_landed(pipe_tiles, state, mask, bias):
+    """A producer thread's arrive on the full barrier of a cp.async mask/bias stage once its
+    copies have landed (mask, bias: the kernel's OperandSpecs, None where absent). A copy
+    narrower than 4 bytes is a plain load + store: the thread then waits for its cp.async
+    copies and arrives with release semantics, which publishes both."""
+    narrow = False
+    for op in (mask, bias):
+        if cutlass.const_expr(op is not None):
+            narrow = narrow or op.vec * dtype_bytes(op.dtype) < 4
+    if cutlass.const_expr(narrow):
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.mbarrier_arrive(pipe_tiles.producer_get_barrier(state))
+    else:
+        pipe_tiles.producer_commit(state)

@@ -129,3 +129,28 @@ class OnlineSoftmax:
                     else:
                         mStats[b, h, 0, row] = 0.0 if row_max == -cutlass.Float32.inf else row_max
                         mStats[b, h, 1, row] = row_log2sum[r]
+
+
+@cute.jit
+def load_row_stats(mStats, mDpsum, coord, b, h, seqlen_q, has_bias: cutlass.Constexpr[bool]):
+    """(row max, log2 row sum, dpsum) of a thread's score rows in the backward, from what
+    store_stats wrote (coord: the (row, col) of each score, in the accumulator layout): the
+    row max in accumulator units, read only with a bias (without one the forward folded it
+    into the sum and stored 0), and +inf log2 sum for rows past Sq and fully masked rows, so
+    P = 0 there."""
+    coord_mn = acc_mn_view(coord)
+    rows = cute.size(coord_mn.shape[0])
+    row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
+    log2sum = cute.make_rmem_tensor(rows, cutlass.Float32)
+    dpsum = cute.make_rmem_tensor(rows, cutlass.Float32)
+    for r in cutlass.range_constexpr(rows):
+        row = coord_mn[r, 0][0]
+        row_max[r] = 0.0
+        log2sum[r] = cutlass.Float32.inf
+        dpsum[r] = 0.0
+        if row < seqlen_q:
+            if cutlass.const_expr(has_bias):
+                row_max[r] = mStats[b, h, 0, row]
+            log2sum[r] = mStats[b, h, 1, row]
+            dpsum[r] = mDpsum[b, h, row]
+    return row_max, log2sum, dpsum

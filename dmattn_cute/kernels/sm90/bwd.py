@@ -73,9 +73,10 @@ from ..config import (
 from ..dbias import DbiasWriter
 from ..masking import FULL, VISIBLE
 from ..scores import Scores
+from ..softmax import load_row_stats
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from ..utils import acc_mn_view
-from .wgmma import smem_layout, transposed, wgmma
+from .wgmma import smem_layout, wgmma
 
 # Named barriers (0 is the CTA-wide one).
 _PDS_FREE = 1  # MMA warpgroups: the previous step's GEMMs have read sP / sdS
@@ -560,23 +561,7 @@ class FlashBwdSm90:
                 loads["mask"].load(m_block, state.index)
         if cutlass.const_expr(self.spec.bias is not None):
             loads["bias"].load(m_block, state.index)
-        self.tiles_landed(pipe_tiles, state)
-
-    @cute.jit
-    def tiles_landed(self, pipe_tiles, state):
-        """Arrive on the stage's full barrier once this thread's mask/bias copies have landed.
-        A copy narrower than 4 bytes is a plain load + store: the thread then waits for its
-        cp.async copies and arrives with release semantics, which publishes both."""
-        narrow = False
-        for op in (self.spec.mask, self.spec.bias):
-            if cutlass.const_expr(op is not None):
-                narrow = narrow or op.vec * dtype_bytes(op.dtype) < 4
-        if cutlass.const_expr(narrow):
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.mbarrier_arrive(pipe_tiles.producer_get_barrier(state))
-        else:
-            pipe_tiles.producer_commit(state)
+        operands.tiles_landed(pipe_tiles, state, self.spec.mask, self.spec.bias)
 
     @cute.jit
     def reduce_dq(self, tdQ, sdQ, tma_dq, walk):
@@ -631,12 +616,12 @@ class FlashBwdSm90:
         tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
         tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
         tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-        tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed(sP, tm, tn)))
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO, tm, dp, st)))
-        tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transposed(sdS, tm, tn)))
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ, tm, dp, st)))
+        tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(tiles.transposed(sP, tm, tn)))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(tiles.transposed(sdO, tm, dp, st)))
+        tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(tiles.transposed(sdS, tm, tn)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(tiles.transposed(sQ, tm, dp, st)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK, tn, dp)))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(tiles.transposed(sK, tn, dp)))
         s_shape = wg_sdp.partition_shape_C((tm, tn))
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, dp)), cutlass.Float32)
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, dp)), cutlass.Float32)
@@ -741,7 +726,9 @@ class FlashBwdSm90:
         mm.pipe_do.consumer_wait(state)
         wgmma(mm.mma_sdp, acc_dP, mm.tdPrdO[None, None, None, idx], mm.tdPrV, False, -1)
         # the forward's stats and dpsum of this thread's rows, under the GEMMs
-        row_max, log2sum, dpsum = self.row_stats(mm.mStats, mm.mDpsum, coord, walk.b, h, mm.limits)
+        row_max, log2sum, dpsum = load_row_stats(
+            mm.mStats, mm.mDpsum, coord, walk.b, h, mm.limits.seqlen_q, spec.bias is not None
+        )
         dtanh = self.probabilities(
             mm.scores, acc_S, acc_dP, t_bias, t_mask, walk.bits(h, m_block) & FULL, coord,
             mm.limits, m_block, walk.n_block, row_max, log2sum, dpsum, mm.scale_log2,
@@ -848,26 +835,3 @@ class FlashBwdSm90:
                     acc_mn[r, c] = p
                     dP_mn[r, c] = p * (dP_mn[r, c] - dpsum[r]) * (1.0 - t * t)
         return dtanh
-
-    @cute.jit
-    def row_stats(self, mStats, mDpsum, coord, b, h, limits):
-        """(row max, log2 row sum, dpsum) of this thread's score rows, from the forward's
-        stats: the row max in accumulator units (read only with a bias: without one the
-        forward folds it into the sum), +inf log2 sum for rows past Sq and fully masked rows
-        (P = 0 there)."""
-        coord_mn = acc_mn_view(coord)
-        rows = cute.size(coord_mn.shape[0])
-        row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
-        log2sum = cute.make_rmem_tensor(rows, cutlass.Float32)
-        dpsum = cute.make_rmem_tensor(rows, cutlass.Float32)
-        for r in cutlass.range_constexpr(rows):
-            row = coord_mn[r, 0][0]
-            row_max[r] = 0.0
-            log2sum[r] = cutlass.Float32.inf
-            dpsum[r] = 0.0
-            if row < limits.seqlen_q:
-                if cutlass.const_expr(self.spec.bias is not None):
-                    row_max[r] = mStats[b, h, 0, row]
-                log2sum[r] = mStats[b, h, 1, row]
-                dpsum[r] = mDpsum[b, h, row]
-        return row_max, log2sum, dpsum

@@ -64,7 +64,7 @@ from ..scores import Scores
 from ..softmax import OnlineSoftmax
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from ..utils import acc_as_a_operand, acc_mn_view, round_pairs
-from .wgmma import smem_layout, transposed, wgmma
+from .wgmma import smem_layout, wgmma
 
 # Named barriers (0 is the CTA-wide one).
 _EPILOGUE_BARRIER = 1  # the consumers, before O overwrites sQ and before its TMA store
@@ -464,7 +464,7 @@ class FlashFwdSm90:
                         loads["mask"].load(n_block, state.index)
                 if cutlass.const_expr("bias" in loads):
                     loads["bias"].load(n_block, state.index)
-                self.tiles_landed(pipe_tiles, state)
+                operands.tiles_landed(pipe_tiles, state, spec.mask, spec.bias)
             if warp == 0:
                 pipe_k.producer_acquire(state)
                 cute.copy(
@@ -478,22 +478,6 @@ class FlashFwdSm90:
                 )  # fmt: skip
             state.advance()
             n_block = self.prev_visible(bits, n_block - 1, n_block_min)
-
-    @cute.jit
-    def tiles_landed(self, pipe_tiles, state):
-        """Arrive on the stage's full barrier once this thread's mask/bias copies have landed.
-        A copy narrower than 4 bytes is a plain load + store: the thread then waits for its
-        cp.async copies and arrives with release semantics, which publishes both."""
-        narrow = False
-        for op in (self.spec.mask, self.spec.bias):
-            if cutlass.const_expr(op is not None):
-                narrow = narrow or op.vec * dtype_bytes(op.dtype) < 4
-        if cutlass.const_expr(narrow):
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.mbarrier_arrive(pipe_tiles.producer_get_barrier(state))
-        else:
-            pipe_tiles.producer_commit(state)
 
     @cute.jit
     def consume(
@@ -515,7 +499,7 @@ class FlashFwdSm90:
         wg_pv = tiled_mma_pv.get_slice(wg * 128)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        sVt = transposed(sV, tn, dp, st)
+        sVt = tiles.transposed(sV, tn, dp, st)
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((tm, dp)), cutlass.Float32)
         acc_O.fill(0.0)

@@ -1,5 +1,5 @@
 """wgmma helpers shared by the Hopper kernels: swizzled smem tiles that TMA writes and wgmma
-reads, their transposed views, and one GEMM issued as a wgmma group."""
+reads, and one GEMM issued as a wgmma group."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cutlass.tensor_utils import LayoutEnum
 def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, major: int | None = None):
     """(rows, cols[, stages]) row-major tile in the widest swizzle that `major` (default:
     cols) contiguous elements allow: what TMA writes and wgmma reads, K-major or, through
-    `transposed`, MN-major. A GEMM whose warpgroups each read only `major` of the columns as
+    tiles.transposed, MN-major. A GEMM whose warpgroups each read only `major` of the columns as
     the contiguous (MN) mode needs a swizzle atom no wider than that."""
     atom = warpgroup.make_smem_layout_atom(
         hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major or cols), dtype
@@ -21,13 +21,6 @@ def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, major: i
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), (0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
-
-
-def transposed(t: cute.Tensor, rows: int, cols: int, stages: int | None = None) -> cute.Tensor:
-    """The (cols, rows[, stages]) view of a (rows, cols[, stages]) smem tile."""
-    if stages is None:
-        return cute.composition(t, cute.make_ordered_layout((cols, rows), order=(1, 0)))
-    return cute.composition(t, cute.make_ordered_layout((cols, rows, stages), order=(1, 0, 2)))
 
 
 @cute.jit
