@@ -253,6 +253,7 @@ def test_bwd_variants_compile(target, mask, bias, dbias, window, softcap, det, f
 
 
 DBIAS_SUM_ATOMIC = DbiasSpec("fp32", ("0", "d", "d", "1"), False, False, True)
+DBIAS_DIRECT_ORDERED = DbiasSpec("bf16", ("d", "d", "d", "1"), False, True, False)
 
 
 @pytest.mark.parametrize(
@@ -267,14 +268,20 @@ DBIAS_SUM_ATOMIC = DbiasSpec("fp32", ("0", "d", "d", "1"), False, False, True)
      (160, "bf16", None, FULL_BIAS, None, False, True, True),
      (192, "fp16", FULL_MASK, None, None, True, False, False),
      (256, "bf16", None, None, None, False, True, True),
-     (256, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT, True, False, False)],
+     (256, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT, True, False, False),
+     (64, "bf16", None, None, None, True, False, "det"),
+     (128, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT_ORDERED, False, True, "det")],
 )  # fmt: skip
 def test_hopper_bwd_compiles(head_dim, dtype, mask, bias, dbias, window, softcap, split) -> None:
     """The Hopper backward: Q/dO/K/V by TMA, five wgmma GEMMs, dQ added by a TMA reduce-add
     (no atomics), dK/dV stored by TMA (added by TMA reduce-add when a group's heads are split
     over CTAs), mask/bias tiles by cp.async, dbias stored or added by atomics, the producer's
     registers handed to the MMA warpgroups."""
-    spec = Sm90BwdSpec.build("sm_90a", dtype, head_dim, mask, bias, dbias, window, softcap, split)
+    det = split == "det"  # a deterministic order (whole groups)
+    split = split is True
+    spec = Sm90BwdSpec.build(
+        "sm_90a", dtype, head_dim, mask, bias, dbias, window, softcap, split, det
+    )
     assert spec.smem_bytes() <= smem_capacity("sm_90a")
     ptx = fwd_ptx("sm_90a", spec)
     assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == ["sm_90a"]
@@ -290,6 +297,8 @@ def test_hopper_bwd_compiles(head_dim, dtype, mask, bias, dbias, window, softcap
     tile_copies = re.search(r"cp\.async\.c[ag]\.shared\.global", ptx) is not None
     wide = [op for op in (mask, bias) if op is not None and op.vec * dtype_bytes(op.dtype) >= 4]
     assert tile_copies == bool(wide)
+    # dq turn counters, read with acquire and written with release semantics
+    assert ("ld.acquire.gpu" in ptx and "st.release.gpu" in ptx) == det
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx
 

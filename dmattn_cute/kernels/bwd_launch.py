@@ -2,12 +2,13 @@
 and the fp32 -> input dtype casts.
 
 dq is accumulated in fp32 ([B, Sq, H, D], zeroed here) and cast at the end; dk and dv are
-written by the kernel in the input dtype. On sm_90a every call that is not deterministic and
-whose mask/bias tiles fit runs the Hopper kernel (kernels/sm90/bwd.py), every other call the
-mma.sync kernel; when the Hopper kernel's grid (key blocks x kv heads x batch) is under two
-waves of the GPU's SMs, a group's query heads are split over several CTAs, which add fp32
-dk/dv partial sums. dbias is either written by the kernel in the bias dtype, or accumulated in
-an fp32 buffer of the bias's shape and cast (see kernels/bwd.py).
+written by the kernel in the input dtype. On sm_90a every call whose mask/bias tiles fit runs
+the Hopper kernel (kernels/sm90/bwd.py), except deterministic sums of a broadcast bias's dbias;
+every other call runs the mma.sync kernel. When the Hopper kernel's grid (key blocks x kv heads
+x batch) is under two waves of the GPU's SMs and the order need not be deterministic, a group's
+query heads are split over several CTAs, which add fp32 dk/dv partial sums. dbias is either
+written by the kernel in the bias dtype, or accumulated in an fp32 buffer of the bias's shape
+and cast (see kernels/bwd.py).
 """
 
 from __future__ import annotations
@@ -101,13 +102,18 @@ def bwd_spec(
     dtype = dtype_name(problem.dtype)
     operands = (operand_spec(mask, problem.seqlen_k), operand_spec(bias, problem.seqlen_k))
     flags = (problem.has_window, problem.softcap > 0)
-    if hopper_kernels(arch) and not problem.deterministic:
+    # Deterministic dbias sums fold broadcast dims into one CTA: only the mma.sync kernel.
+    det_sums = problem.deterministic and dbias is not None and not dbias.direct
+    if hopper_kernels(arch) and not det_sums:
         try:
-            spec = Sm90BwdSpec.build(arch, dtype, problem.head_dim, *operands, dbias, *flags)
+            spec = Sm90BwdSpec.build(
+                arch, dtype, problem.head_dim, *operands, dbias, *flags,
+                deterministic=problem.deterministic,
+            )  # fmt: skip
         except ValueError:
             spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
         if spec is not None:
-            if head_splits(problem, spec.tile.tile_n, sms) > 1:
+            if not problem.deterministic and head_splits(problem, spec.tile.tile_n, sms) > 1:
                 spec = Sm90BwdSpec.build(
                     arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True
                 )
@@ -281,7 +287,7 @@ def flash_bwd(
             dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
         kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, splits, mask_k, bias_k, bits,
-            dbias_view, *scalars,
+            dbias_view, sem, *scalars,
         )  # fmt: skip
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     else:

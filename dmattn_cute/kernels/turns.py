@@ -48,3 +48,18 @@ class DqTurns:
             ptr = self._ptr(b, h, m_block)
             self._wait(ptr, n_block)
             cute.arch.store(ptr, n_block + 1, sem="release", scope="gpu")
+
+    @cute.jit
+    def take(self, b, h, m_block, n_block):
+        """Thread tidx 0 waits for key block n_block's turn (no barrier: the caller orders
+        its other threads after it)."""
+        if self.tidx == 0:
+            self._wait(self._ptr(b, h, m_block), n_block)
+
+    @cute.jit
+    def give(self, b, h, m_block, n_block):
+        """Thread tidx 0 passes the turn on (release): the caller has ordered every addition
+        of this key block before it."""
+        if self.tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.store(self._ptr(b, h, m_block), n_block + 1, sem="release", scope="gpu")

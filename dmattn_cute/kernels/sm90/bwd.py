@@ -75,6 +75,7 @@ from ..masking import FULL, VISIBLE
 from ..scores import Scores
 from ..softmax import load_row_stats
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
+from ..turns import DqTurns
 from ..utils import acc_mn_view
 from .wgmma import smem_layout, wgmma
 
@@ -93,12 +94,13 @@ _REGISTERS = {False: (24, 240), True: (32, 232)}  # by: mask/bias tiles are load
 
 @dataclass(frozen=True)
 class Sm90BwdSpec:
-    """One Hopper backward kernel variant: the compile key, tiling and launch facts. No
-    deterministic order (bwd_launch runs the SM80 kernel for that).
+    """One Hopper backward kernel variant: the compile key, tiling and launch facts.
 
     split_heads: dk and dv are zeroed fp32 buffers that each CTA adds its partial sums into
     (a group's heads are split over several CTAs); else they are written in the input dtype.
-    dbias: how dS reaches dbias (bwd.DbiasSpec; never the deterministic kind), None without.
+    dbias: how dS reaches dbias (bwd.DbiasSpec), None without.
+    deterministic: the key blocks add their dQ in key-block order (turn counters, as
+    turns.py), so dq is bitwise repeatable; then no heads are split and dbias is only stored.
     """
 
     dtype: str
@@ -110,6 +112,7 @@ class Sm90BwdSpec:
     has_window: bool
     has_softcap: bool
     split_heads: bool
+    deterministic: bool
 
     @staticmethod
     @functools.cache  # called on every launch; the tile choice is pure
@@ -123,12 +126,21 @@ class Sm90BwdSpec:
         has_window: bool,
         has_softcap: bool,
         split_heads: bool = False,
+        deterministic: bool = False,
     ) -> Sm90BwdSpec:
-        """The variant for these choices (ValueError when its tiles do not fit `arch`)."""
+        """The variant for these choices (ValueError when its tiles do not fit `arch`, or for
+        a deterministic order with split heads or dbias sums)."""
+        if deterministic and (split_heads or (dbias is not None and not dbias.direct)):
+            raise ValueError(
+                "Hopper backward: a deterministic order takes whole groups and stored dbias"
+            )
         dp = padded_head_dim(head_dim)
         smem = [None if op is None else op.smem() for op in (mask, bias)]
         tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype), *smem)
-        return Sm90BwdSpec(dtype, dp, tile, mask, bias, dbias, has_window, has_softcap, split_heads)
+        return Sm90BwdSpec(
+            dtype, dp, tile, mask, bias, dbias, has_window, has_softcap, split_heads,
+            deterministic,
+        )  # fmt: skip
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:
         smem = [None if op is None else op.smem() for op in (self.mask, self.bias)]
@@ -152,10 +164,12 @@ class Sm90BwdSpec:
             dk, dv = fake_rows(self.dtype), fake_rows(self.dtype)
         mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
         bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
-        dbias = None
+        dbias = sem = None
         if self.dbias is not None:
             dbias = fake_tensor(self.dbias.dtype, self.dbias.strides, dtype_bytes(self.dbias.dtype))
-        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, mask, bias, bits, dbias,
+        if self.deterministic:
+            sem = fake_tensor("i32", ("d", "d", "1"), 4)
+        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, mask, bias, bits, dbias, sem,
                 *BwdScalars(), env_stream()]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
@@ -255,6 +269,7 @@ class FlashBwdSm90:
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
         mdBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km] (stride 0 on size-1 dims)
+        mSem: cute.Tensor | None,  # [B, H, ceil(Sq / tile_m)] int32, zeroed (deterministic)
         scale_log2: cutlass.Float32,
         bias_scale: cutlass.Float32,
         softcap_scale: cutlass.Float32,
@@ -313,7 +328,7 @@ class FlashBwdSm90:
         grid = (cute.ceil_div(mK.shape[1], tn), mK.shape[2] * head_splits, mK.shape[0])
         self.kernel(
             tQ, tK, tV, tdO, tdK, tdV, tdQ, mQ.shape[1], mK.shape[1], mStats, mDpsum, mMask,
-            mBias, mBits, mdBias, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
+            mBias, mBits, mdBias, mSem, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
             scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, window_left,
             window_right, mask_head_div, bias_head_div, group, head_splits, sQ_layout,
             sK_layout, sV_layout, sPdS_layout, sdQ_layout, sKV32_layout, mma_sdp, mma_dkv,
@@ -341,6 +356,7 @@ class FlashBwdSm90:
         mBias: cute.Tensor | None,
         mBits: cute.Tensor | None,
         mdBias: cute.Tensor | None,
+        mSem: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -449,7 +465,7 @@ class FlashBwdSm90:
                     pipe_q, pipe_do, walk,
                 )  # fmt: skip
             if warp == 1:
-                self.reduce_dq(tdQ, sdQ, tma_dq, walk)
+                self.reduce_dq(tdQ, sdQ, tma_dq, walk, mSem, cute.ceil_div(seqlen_q, tm))
             if cutlass.const_expr(self.has_tiles):
                 if warp >= 2:
                     self.load_tiles(mMask, mBias, tile_smem, pipe_tiles, limits, walk)
@@ -564,35 +580,62 @@ class FlashBwdSm90:
         operands.tiles_landed(pipe_tiles, state, self.spec.mask, self.spec.bias)
 
     @cute.jit
-    def reduce_dq(self, tdQ, sdQ, tma_dq, walk):
+    def reduce_dq(self, tdQ, sdQ, tma_dq, walk, mSem, m_blocks):
         """Warp 1: every step's dQ tile (smem, fp32) added into the dQ accumulator by a TMA
-        reduce-add; rows past Sq and columns past D are not written."""
+        reduce-add; rows past Sq and columns past D are not written. Deterministic: each
+        addition waits for this key block's turn of its (batch, head, query block), and every
+        query block this CTA skips (causal/window range, an empty mask tile) passes its turn
+        on, so the key blocks add in key-block order."""
         tm, dp = self.tile_m, self.head_dim_padded
+        turns = None
+        if cutlass.const_expr(self.spec.deterministic):
+            turns = DqTurns(mSem, cute.arch.lane_idx())
         for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
             gdQ = cute.local_tile(tdQ[None, None, h, walk.b], (tm, dp), (None, 0))
             tdQsdQ, tdQgdQ = cpasync.tma_partition(
                 tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
                 cute.group_modes(gdQ, 0, 2),
             )  # fmt: skip
-            if cutlass.const_expr(walk.mBits is None):
+            copies = (tma_dq, tdQsdQ, tdQgdQ)
+            if cutlass.const_expr(turns is not None):
+                for m_block in cutlass.range(m_blocks, unroll=1):
+                    visited = (m_block >= walk.m_block_min) & (m_block < walk.m_block_max)
+                    if cutlass.const_expr(walk.mBits is not None):
+                        if visited:
+                            visited = (walk.bits(h, m_block) & VISIBLE) != 0
+                    if visited:
+                        self.reduce_step(copies, m_block, turns, walk, h)
+                    else:
+                        turns.take(walk.b, h, m_block, walk.n_block)
+                        turns.give(walk.b, h, m_block, walk.n_block)
+            elif cutlass.const_expr(walk.mBits is None):
                 for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
-                    self.reduce_step(tma_dq, tdQsdQ, tdQgdQ, m_block)
+                    self.reduce_step(copies, m_block)
             else:
                 m_block = walk.next_visible(h, walk.m_block_min)
                 while m_block < walk.m_block_max:
-                    self.reduce_step(tma_dq, tdQsdQ, tdQgdQ, m_block)
+                    self.reduce_step(copies, m_block)
                     m_block = walk.next_visible(h, m_block + 1)
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ is read before the CTA exits
 
     @cute.jit
-    def reduce_step(self, tma_dq, tdQsdQ, tdQgdQ, m_block):
-        """Query block m_block's dQ tile, once the MMA warpgroups have written it."""
+    def reduce_step(self, copies, m_block, turns=None, walk=None, h=None):
+        """Query block m_block's dQ tile, once the MMA warpgroups have written it (with
+        `turns`: in this key block's turn, which it passes on once the addition is done)."""
+        tma_dq, tdQsdQ, tdQgdQ = copies
         count = _MMA_THREADS + 32
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce read sdQ
         cute.arch.barrier_arrive(barrier_id=_DQ_FREE, number_of_threads=count)
         cute.arch.barrier(barrier_id=_DQ_READY, number_of_threads=count)
+        if cutlass.const_expr(turns is not None):
+            turns.take(walk.b, h, m_block, walk.n_block)
+            cute.arch.sync_warp()  # the warp adds after the previous key block
         cute.copy(tma_dq, tdQsdQ, tdQgdQ[None, m_block])
         cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(turns is not None):
+            cute.arch.cp_async_bulk_wait_group(0)  # the addition is done in global memory
+            cute.arch.sync_warp()  # whichever lane issued it, before lane 0 passes the turn
+            turns.give(walk.b, h, m_block, walk.n_block)
 
     @cute.jit
     def mma(
