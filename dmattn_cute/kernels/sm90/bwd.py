@@ -188,7 +188,15 @@ def _tiled_mma(dtype, a_major, b_major, atoms, n: int):
 class Walk:
     """The (head, query block) steps of one CTA, the same for every role: the query heads
     h_first .. h_first + heads - 1, and per head the visible query blocks of
-    [m_block_min, m_block_max) (all of them without a mask)."""
+    [m_block_min, m_block_max) (all of them without a mask), in `segments` runs: the blocks
+    from m_rotate on, then (deterministic order only) those before it.
+
+    Deterministic: key block n starts its walk at query block n (when there are at least as
+    many query blocks as key blocks), so at each step the key blocks of a group of CTAs add
+    into different query blocks, and the order in which they add into one query block (the
+    turns of turns.py) is the order in which they reach it: none waits for another's turn
+    when they run in step. Ascending from 0, key block n would reach every query block n
+    steps after key block 0 and wait there."""
 
     b: cutlass.Int32
     hk: cutlass.Int32
@@ -197,11 +205,35 @@ class Walk:
     heads: cutlass.Int32
     m_block_min: cutlass.Int32
     m_block_max: cutlass.Int32
+    m_blocks: cutlass.Int32  # query blocks of the problem
+    n_blocks: cutlass.Int32  # key blocks of the problem
+    m_rotate: cutlass.Int32
     mask_head_div: cutlass.Int32
     bias_head_div: cutlass.Int32
     mBits: cute.Tensor | None
     # the mask has one row (Qm = 1): one bit per key block for every query block
     bits_rows_shared: cutlass.Constexpr[bool]
+    segments: cutlass.Constexpr[int]
+
+    @cute.jit
+    def segment(self, index: cutlass.Constexpr[int]):
+        """[lo, hi) of walk segment `index`: 0 from m_rotate on, 1 before it."""
+        if cutlass.const_expr(index == 0):
+            return cutlass.max(self.m_rotate, self.m_block_min), self.m_block_max
+        return self.m_block_min, cutlass.min(self.m_rotate, self.m_block_max)
+
+    @cute.jit
+    def turn(self, m_block):
+        """This key block's place in the order of the key blocks that add into query block
+        m_block: the order in which the rotated walks reach it (key-block order when they
+        are not rotated)."""
+        n, n_blocks = self.n_block, self.n_blocks
+        turn = n
+        if self.n_blocks <= self.m_blocks:
+            turn = n_blocks - 1 - n
+            if m_block < n_blocks - 1:
+                turn = (m_block - n + n_blocks) % n_blocks
+        return turn
 
     @cute.jit
     def bits(self, h, m_block):
@@ -214,17 +246,17 @@ class Walk:
         return bits
 
     @cute.jit
-    def next_visible(self, h, m_block):
-        """The first visible query block at or after m_block (m_block_max and above: none).
-        A warp reads the bits of 32 blocks at once and takes the lowest visible one from a
-        ballot: one gmem latency per 32 blocks, not per block, when most are empty."""
+    def next_visible(self, h, m_block, m_end):
+        """The first visible query block in [m_block, m_end) (m_end and above: none). A warp
+        reads the bits of 32 blocks at once and takes the lowest visible one from a ballot:
+        one gmem latency per 32 blocks, not per block, when most are empty."""
         if cutlass.const_expr(self.mBits is not None):
             lane = cute.arch.lane_idx()
-            searching = m_block < self.m_block_max
+            searching = m_block < m_end
             while searching:
                 idx = m_block + lane
                 visible = cutlass.Int32(0)
-                if idx < self.m_block_max:
+                if idx < m_end:
                     visible = self.bits(h, idx) & VISIBLE
                 ballot = cute.arch.vote_ballot_sync(visible != 0)
                 if ballot != 0:
@@ -232,7 +264,7 @@ class Walk:
                     searching = False
                 else:
                     m_block += 32
-                    searching = m_block < self.m_block_max
+                    searching = m_block < m_end
         return m_block
 
 
@@ -399,10 +431,16 @@ class FlashBwdSm90:
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
         m_block_min, m_block_max = limits.query_block_range(n_block)
+        m_blocks, n_blocks = cute.ceil_div(seqlen_q, tm), cute.ceil_div(seqlen_k, tn)
+        m_rotate = cutlass.Int32(0)
+        if cutlass.const_expr(spec.deterministic):
+            if n_blocks <= m_blocks:
+                m_rotate = n_block
         walk = Walk(
             b, hk, n_block, hk * group + (hk_split - hk * head_splits) * heads, heads,
-            m_block_min, m_block_max, mask_head_div, bias_head_div, mBits,
-            spec.mask is not None and spec.mask.row_broadcast,
+            m_block_min, m_block_max, m_blocks, n_blocks, m_rotate, mask_head_div,
+            bias_head_div, mBits, spec.mask is not None and spec.mask.row_broadcast,
+            2 if spec.deterministic else 1,
         )  # fmt: skip
 
         # ---- shared memory and pipelines ----
@@ -465,7 +503,7 @@ class FlashBwdSm90:
                     pipe_q, pipe_do, walk,
                 )  # fmt: skip
             if warp == 1:
-                self.reduce_dq(tdQ, sdQ, tma_dq, walk, mSem, cute.ceil_div(seqlen_q, tm))
+                self.reduce_dq(tdQ, sdQ, tma_dq, walk, mSem)
             if cutlass.const_expr(self.has_tiles):
                 if warp >= 2:
                     self.load_tiles(mMask, mBias, tile_smem, pipe_tiles, limits, walk)
@@ -508,16 +546,18 @@ class FlashBwdSm90:
                 tma_do, 0, no_cluster, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
             )
             copies = (tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, pipe_q, pipe_do)
-            if cutlass.const_expr(walk.mBits is None):
-                for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
-                    self.load_step(copies, state, m_block)
-                    state.advance()
-            else:
-                m_block = walk.next_visible(h, walk.m_block_min)
-                while m_block < walk.m_block_max:
-                    self.load_step(copies, state, m_block)
-                    state.advance()
-                    m_block = walk.next_visible(h, m_block + 1)
+            for seg in cutlass.range_constexpr(walk.segments):
+                lo, hi = walk.segment(seg)
+                if cutlass.const_expr(walk.mBits is None):
+                    for m_block in cutlass.range(lo, hi, unroll=1):
+                        self.load_step(copies, state, m_block)
+                        state.advance()
+                else:
+                    m_block = walk.next_visible(h, lo, hi)
+                    while m_block < hi:
+                        self.load_step(copies, state, m_block)
+                        state.advance()
+                        m_block = walk.next_visible(h, m_block + 1, hi)
 
     @cute.jit
     def load_step(self, copies, state, m_block):
@@ -556,16 +596,18 @@ class FlashBwdSm90:
                         op, tcopy, used, gX, cX, sX, row_end, limits.seqlen_k, tidx,
                         walk_queries=True,
                     )  # fmt: skip
-            if cutlass.const_expr(walk.mBits is None):
-                for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
-                    self.tiles_step(loads, pipe_tiles, state, walk, h, m_block)
-                    state.advance()
-            else:
-                m_block = walk.next_visible(h, walk.m_block_min)
-                while m_block < walk.m_block_max:
-                    self.tiles_step(loads, pipe_tiles, state, walk, h, m_block)
-                    state.advance()
-                    m_block = walk.next_visible(h, m_block + 1)
+            for seg in cutlass.range_constexpr(walk.segments):
+                lo, hi = walk.segment(seg)
+                if cutlass.const_expr(walk.mBits is None):
+                    for m_block in cutlass.range(lo, hi, unroll=1):
+                        self.tiles_step(loads, pipe_tiles, state, walk, h, m_block)
+                        state.advance()
+                else:
+                    m_block = walk.next_visible(h, lo, hi)
+                    while m_block < hi:
+                        self.tiles_step(loads, pipe_tiles, state, walk, h, m_block)
+                        state.advance()
+                        m_block = walk.next_visible(h, m_block + 1, hi)
 
     @cute.jit
     def tiles_step(self, loads, pipe_tiles, state, walk, h, m_block):
@@ -580,12 +622,12 @@ class FlashBwdSm90:
         operands.tiles_landed(pipe_tiles, state, self.spec.mask, self.spec.bias)
 
     @cute.jit
-    def reduce_dq(self, tdQ, sdQ, tma_dq, walk, mSem, m_blocks):
+    def reduce_dq(self, tdQ, sdQ, tma_dq, walk, mSem):
         """Warp 1: every step's dQ tile (smem, fp32) added into the dQ accumulator by a TMA
         reduce-add; rows past Sq and columns past D are not written. Deterministic: each
         addition waits for this key block's turn of its (batch, head, query block), and every
         query block this CTA skips (causal/window range, an empty mask tile) passes its turn
-        on, so the key blocks add in key-block order."""
+        on, so the key blocks add in the order of Walk.turn."""
         tm, dp = self.tile_m, self.head_dim_padded
         turns = None
         if cutlass.const_expr(self.spec.deterministic):
@@ -598,44 +640,49 @@ class FlashBwdSm90:
             )  # fmt: skip
             copies = (tma_dq, tdQsdQ, tdQgdQ)
             if cutlass.const_expr(turns is not None):
-                for m_block in cutlass.range(m_blocks, unroll=1):
+                # every query block, from m_rotate on and round: the walk's order
+                for step in cutlass.range(walk.m_blocks, unroll=1):
+                    m_block = walk.m_rotate + step
+                    if m_block >= walk.m_blocks:
+                        m_block -= walk.m_blocks
                     visited = (m_block >= walk.m_block_min) & (m_block < walk.m_block_max)
                     if cutlass.const_expr(walk.mBits is not None):
                         if visited:
                             visited = (walk.bits(h, m_block) & VISIBLE) != 0
+                    turn = walk.turn(m_block)
                     if visited:
-                        self.reduce_step(copies, m_block, turns, walk, h)
+                        self.reduce_step(copies, m_block, turns, walk, h, turn)
                     else:
-                        turns.take(walk.b, h, m_block, walk.n_block)
-                        turns.give(walk.b, h, m_block, walk.n_block)
+                        turns.take(walk.b, h, m_block, turn)
+                        turns.give(walk.b, h, m_block, turn)
             elif cutlass.const_expr(walk.mBits is None):
                 for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
                     self.reduce_step(copies, m_block)
             else:
-                m_block = walk.next_visible(h, walk.m_block_min)
+                m_block = walk.next_visible(h, walk.m_block_min, walk.m_block_max)
                 while m_block < walk.m_block_max:
                     self.reduce_step(copies, m_block)
-                    m_block = walk.next_visible(h, m_block + 1)
+                    m_block = walk.next_visible(h, m_block + 1, walk.m_block_max)
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ is read before the CTA exits
 
     @cute.jit
-    def reduce_step(self, copies, m_block, turns=None, walk=None, h=None):
+    def reduce_step(self, copies, m_block, turns=None, walk=None, h=None, turn=None):
         """Query block m_block's dQ tile, once the MMA warpgroups have written it (with
-        `turns`: in this key block's turn, which it passes on once the addition is done)."""
+        `turns`: in this key block's `turn`, passed on once the addition is done)."""
         tma_dq, tdQsdQ, tdQgdQ = copies
         count = _MMA_THREADS + 32
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce read sdQ
         cute.arch.barrier_arrive(barrier_id=_DQ_FREE, number_of_threads=count)
         cute.arch.barrier(barrier_id=_DQ_READY, number_of_threads=count)
         if cutlass.const_expr(turns is not None):
-            turns.take(walk.b, h, m_block, walk.n_block)
+            turns.take(walk.b, h, m_block, turn)
             cute.arch.sync_warp()  # the warp adds after the previous key block
         cute.copy(tma_dq, tdQsdQ, tdQgdQ[None, m_block])
         cute.arch.cp_async_bulk_commit_group()
         if cutlass.const_expr(turns is not None):
             cute.arch.cp_async_bulk_wait_group(0)  # the addition is done in global memory
             cute.arch.sync_warp()  # whichever lane issued it, before lane 0 passes the turn
-            turns.give(walk.b, h, m_block, walk.n_block)
+            turns.give(walk.b, h, m_block, turn)
 
     @cute.jit
     def mma(
@@ -715,16 +762,18 @@ class FlashBwdSm90:
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
         for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
-            if cutlass.const_expr(walk.mBits is None):
-                for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
-                    self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
-                    state.advance()
-            else:
-                m_block = walk.next_visible(h, walk.m_block_min)
-                while m_block < walk.m_block_max:
-                    self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
-                    state.advance()
-                    m_block = walk.next_visible(h, m_block + 1)
+            for seg in cutlass.range_constexpr(walk.segments):
+                lo, hi = walk.segment(seg)
+                if cutlass.const_expr(walk.mBits is None):
+                    for m_block in cutlass.range(lo, hi, unroll=1):
+                        self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
+                        state.advance()
+                else:
+                    m_block = walk.next_visible(h, lo, hi)
+                    while m_block < hi:
+                        self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
+                        state.advance()
+                        m_block = walk.next_visible(h, m_block + 1, hi)
             if cutlass.const_expr(dbias is not None):
                 if cutlass.const_expr(spec.dbias.rows_summed):
                     dbias.flush(b, h // walk.bias_head_div)
