@@ -285,8 +285,13 @@ def flash_bwd(
         splits = head_splits(problem, spec.tile.tile_n, sms) if spec.split_heads else 1
         if spec.split_heads:  # fp32 partial sums of the CTAs that share a kv head
             dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        # deterministic walks start at their own key block when every key block of a
+        # (batch, kv head) fits on the GPU at once and there are as many query blocks
+        m_blocks = -(-problem.seqlen_q // spec.tile.tile_m)
+        n_blocks = -(-problem.seqlen_k // spec.tile.tile_n)
+        rotate = int(spec.deterministic and n_blocks <= min(m_blocks, sms))
         kernel(
-            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, splits, mask_k, bias_k, bits,
+            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, splits, rotate, mask_k, bias_k, bits,
             dbias_view, sem, *scalars,
         )  # fmt: skip
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)

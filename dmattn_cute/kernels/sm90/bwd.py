@@ -169,7 +169,7 @@ class Sm90BwdSpec:
             dbias = fake_tensor(self.dbias.dtype, self.dbias.strides, dtype_bytes(self.dbias.dtype))
         if self.deterministic:
             sem = fake_tensor("i32", ("d", "d", "1"), 4)
-        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, mask, bias, bits, dbias, sem,
+        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, 0, mask, bias, bits, dbias, sem,
                 *BwdScalars(), env_stream()]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
@@ -191,12 +191,16 @@ class Walk:
     [m_block_min, m_block_max) (all of them without a mask), in `segments` runs: the blocks
     from m_rotate on, then (deterministic order only) those before it.
 
-    Deterministic: key block n starts its walk at query block n (when there are at least as
-    many query blocks as key blocks), so at each step the key blocks of a group of CTAs add
-    into different query blocks, and the order in which they add into one query block (the
-    turns of turns.py) is the order in which they reach it: none waits for another's turn
-    when they run in step. Ascending from 0, key block n would reach every query block n
-    steps after key block 0 and wait there."""
+    Deterministic, rotated (the launch's `rotate`: at least as many query blocks as key
+    blocks, and no more key blocks than SMs): key block n starts its walk at query block n,
+    so at each step the key blocks of a (batch, kv head) add into different query blocks, and
+    the order in which they add into one query block (the turns of turns.py) is the order in
+    which they reach it: none waits for another's turn when they run in step. Ascending from
+    0, key block n would reach every query block n steps after key block 0 and wait there.
+    Every wait is for a key block at an earlier step of its own walk; with all of a (batch,
+    kv head)'s key blocks resident at once (no more of them than SMs) someone always
+    progresses. Not rotated: the turns are the key-block order, and lower key blocks are
+    launched first."""
 
     b: cutlass.Int32
     hk: cutlass.Int32
@@ -208,6 +212,7 @@ class Walk:
     m_blocks: cutlass.Int32  # query blocks of the problem
     n_blocks: cutlass.Int32  # key blocks of the problem
     m_rotate: cutlass.Int32
+    rotated: cutlass.Int32  # 1: every CTA's walk starts at its key block (m_rotate = n_block)
     mask_head_div: cutlass.Int32
     bias_head_div: cutlass.Int32
     mBits: cute.Tensor | None
@@ -229,7 +234,7 @@ class Walk:
         are not rotated)."""
         n, n_blocks = self.n_block, self.n_blocks
         turn = n
-        if self.n_blocks <= self.m_blocks:
+        if self.rotated != 0:
             turn = n_blocks - 1 - n
             if m_block < n_blocks - 1:
                 turn = (m_block - n + n_blocks) % n_blocks
@@ -297,6 +302,7 @@ class FlashBwdSm90:
         mdK: cute.Tensor,  # [B, Sk, Hkv, D] (fp32, zeroed, with split_heads)
         mdV: cute.Tensor,  # [B, Sk, Hkv, D] (fp32, zeroed, with split_heads)
         head_splits: cutlass.Int32,  # CTAs per group of query heads (1 without split_heads)
+        rotate: cutlass.Int32,  # deterministic: 1 to rotate the walks (see Walk), else 0
         mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
@@ -362,7 +368,7 @@ class FlashBwdSm90:
             tQ, tK, tV, tdO, tdK, tdV, tdQ, mQ.shape[1], mK.shape[1], mStats, mDpsum, mMask,
             mBias, mBits, mdBias, mSem, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
             scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, window_left,
-            window_right, mask_head_div, bias_head_div, group, head_splits, sQ_layout,
+            window_right, mask_head_div, bias_head_div, group, head_splits, rotate, sQ_layout,
             sK_layout, sV_layout, sPdS_layout, sdQ_layout, sKV32_layout, mma_sdp, mma_dkv,
             mma_dq,
         ).launch(
@@ -407,6 +413,7 @@ class FlashBwdSm90:
         bias_head_div: cutlass.Int32,
         group: cutlass.Int32,
         head_splits: cutlass.Int32,
+        rotate: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -434,11 +441,10 @@ class FlashBwdSm90:
         m_blocks, n_blocks = cute.ceil_div(seqlen_q, tm), cute.ceil_div(seqlen_k, tn)
         m_rotate = cutlass.Int32(0)
         if cutlass.const_expr(spec.deterministic):
-            if n_blocks <= m_blocks:
-                m_rotate = n_block
+            m_rotate = n_block * rotate
         walk = Walk(
             b, hk, n_block, hk * group + (hk_split - hk * head_splits) * heads, heads,
-            m_block_min, m_block_max, m_blocks, n_blocks, m_rotate, mask_head_div,
+            m_block_min, m_block_max, m_blocks, n_blocks, m_rotate, rotate, mask_head_div,
             bias_head_div, mBits, spec.mask is not None and spec.mask.row_broadcast,
             2 if spec.deterministic else 1,
         )  # fmt: skip
