@@ -134,7 +134,7 @@ def kernel_specs(pattern: CallPattern, arch: str, device: str = "meta") -> list[
     q, k, v, mask, bias = pattern.inputs(device)
     kernels = planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
     for kind, spec in list(kernels):
-        if isinstance(spec, Sm90BwdSpec) and not spec.deterministic and q.shape[2] > k.shape[2]:
+        if isinstance(spec, Sm90BwdSpec) and q.shape[2] > k.shape[2]:
             # whether a group's heads are split over CTAs depends on the sizes of the call
             kernels.append((kind, dataclasses.replace(spec, split_heads=not spec.split_heads)))
     return kernels

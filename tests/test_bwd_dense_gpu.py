@@ -94,7 +94,8 @@ def test_hopper_runs_the_wgmma_backward():
 @pytest.mark.parametrize(("heads", "heads_kv", "causal"), [(4, 4, False), (8, 1, True)])
 def test_deterministic_bitwise(heads, heads_kv, causal):
     """50 deterministic backward runs are bitwise equal (key blocks add dQ in a fixed order;
-    MQA keeps whole groups per CTA) and match the reference."""
+    the MQA case splits its heads over CTAs, which add dK/dV in split order) and match the
+    reference."""
     q, k, v, _, _ = random_inputs(2, 700, 900, heads, heads_kv, 128, torch.bfloat16, "cuda")
     grads_and_check(q, k, v, deterministic=True, is_causal=causal)
     dout = torch.randn_like(q)

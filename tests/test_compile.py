@@ -270,6 +270,7 @@ DBIAS_DIRECT_ORDERED = DbiasSpec("bf16", ("d", "d", "d", "1"), False, True, Fals
      (256, "bf16", None, None, None, False, True, True),
      (256, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT, True, False, False),
      (64, "bf16", None, None, None, True, False, "det"),
+     (128, "bf16", None, None, None, False, False, "det-split"),
      (128, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT_ORDERED, False, True, "det")],
 )  # fmt: skip
 def test_hopper_bwd_compiles(head_dim, dtype, mask, bias, dbias, window, softcap, split) -> None:
@@ -277,8 +278,8 @@ def test_hopper_bwd_compiles(head_dim, dtype, mask, bias, dbias, window, softcap
     (no atomics), dK/dV stored by TMA (added by TMA reduce-add when a group's heads are split
     over CTAs), mask/bias tiles by cp.async, dbias stored or added by atomics, the producer's
     registers handed to the MMA warpgroups."""
-    det = split == "det"  # a deterministic order (whole groups)
-    split = split is True
+    det = split in ("det", "det-split")  # a deterministic order
+    split = split in (True, "det-split")
     spec = Sm90BwdSpec.build(
         "sm_90a", dtype, head_dim, mask, bias, dbias, window, softcap, split, det
     )

@@ -5,8 +5,8 @@ dq is accumulated in fp32 ([B, Sq, H, D], zeroed here) and cast at the end; dk a
 written by the kernel in the input dtype. On sm_90a every call whose mask/bias tiles fit runs
 the Hopper kernel (kernels/sm90/bwd.py), except deterministic sums of a broadcast bias's dbias;
 every other call runs the mma.sync kernel. When the Hopper kernel's grid (key blocks x kv heads
-x batch) is under two waves of the GPU's SMs and the order need not be deterministic, a group's
-query heads are split over several CTAs, which add fp32 dk/dv partial sums. dbias is either
+x batch) is under two waves of the GPU's SMs, a group's query heads are split over several
+CTAs, which add fp32 dk/dv partial sums (in split order when deterministic). dbias is either
 written by the kernel in the bias dtype, or accumulated in an fp32 buffer of the bias's shape
 and cast (see kernels/bwd.py).
 """
@@ -113,10 +113,11 @@ def bwd_spec(
         except ValueError:
             spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
         if spec is not None:
-            if not problem.deterministic and head_splits(problem, spec.tile.tile_n, sms) > 1:
+            if head_splits(problem, spec.tile.tile_n, sms) > 1:
                 spec = Sm90BwdSpec.build(
-                    arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True
-                )
+                    arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True,
+                    deterministic=problem.deterministic,
+                )  # fmt: skip
             return spec
     return BwdSpec.build(
         arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic, *fold
@@ -290,9 +291,14 @@ def flash_bwd(
         m_blocks = -(-problem.seqlen_q // spec.tile.tile_m)
         n_blocks = -(-problem.seqlen_k // spec.tile.tile_n)
         rotate = int(spec.deterministic and n_blocks <= min(m_blocks, sms))
+        sem_kv = None  # deterministic split: the dK/dV partial sums' turns per key block
+        if spec.deterministic and spec.split_heads:
+            sem_kv = torch.zeros(
+                problem.batch, problem.num_heads_kv, n_blocks, dtype=torch.int32, device=q.device
+            )
         kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, splits, rotate, mask_k, bias_k, bits,
-            dbias_view, sem, *scalars,
+            dbias_view, sem, sem_kv, *scalars,
         )  # fmt: skip
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     else:

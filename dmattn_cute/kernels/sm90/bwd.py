@@ -99,8 +99,9 @@ class Sm90BwdSpec:
     split_heads: dk and dv are zeroed fp32 buffers that each CTA adds its partial sums into
     (a group's heads are split over several CTAs); else they are written in the input dtype.
     dbias: how dS reaches dbias (bwd.DbiasSpec), None without.
-    deterministic: the key blocks add their dQ in key-block order (turn counters, as
-    turns.py), so dq is bitwise repeatable; then no heads are split and dbias is only stored.
+    deterministic: the key blocks add their dQ in a fixed order (turn counters, as turns.py),
+    and split CTAs their dK/dV partial sums in split order, so dq, dk, dv are bitwise
+    repeatable; dbias is then only stored (each element has one contribution).
     """
 
     dtype: str
@@ -129,11 +130,9 @@ class Sm90BwdSpec:
         deterministic: bool = False,
     ) -> Sm90BwdSpec:
         """The variant for these choices (ValueError when its tiles do not fit `arch`, or for
-        a deterministic order with split heads or dbias sums)."""
-        if deterministic and (split_heads or (dbias is not None and not dbias.direct)):
-            raise ValueError(
-                "Hopper backward: a deterministic order takes whole groups and stored dbias"
-            )
+        a deterministic order with dbias sums)."""
+        if deterministic and dbias is not None and not dbias.direct:
+            raise ValueError("Hopper backward: a deterministic order takes a stored dbias")
         dp = padded_head_dim(head_dim)
         smem = [None if op is None else op.smem() for op in (mask, bias)]
         tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype), *smem)
@@ -167,9 +166,13 @@ class Sm90BwdSpec:
         dbias = sem = None
         if self.dbias is not None:
             dbias = fake_tensor(self.dbias.dtype, self.dbias.strides, dtype_bytes(self.dbias.dtype))
+        sem_kv = None
         if self.deterministic:
             sem = fake_tensor("i32", ("d", "d", "1"), 4)
+            if self.split_heads:
+                sem_kv = fake_tensor("i32", ("d", "d", "1"), 4)
         return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, 0, mask, bias, bits, dbias, sem,
+                sem_kv,
                 *BwdScalars(), env_stream()]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
@@ -211,6 +214,7 @@ class Walk:
     m_block_max: cutlass.Int32
     m_blocks: cutlass.Int32  # query blocks of the problem
     n_blocks: cutlass.Int32  # key blocks of the problem
+    split: cutlass.Int32  # which of the head_splits CTAs of (key block, kv head) this is
     m_rotate: cutlass.Int32
     rotated: cutlass.Int32  # 1: every CTA's walk starts at its key block (m_rotate = n_block)
     mask_head_div: cutlass.Int32
@@ -308,6 +312,7 @@ class FlashBwdSm90:
         mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
         mdBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km] (stride 0 on size-1 dims)
         mSem: cute.Tensor | None,  # [B, H, ceil(Sq / tile_m)] int32, zeroed (deterministic)
+        mSemKV: cute.Tensor | None,  # [B, Hkv, ceil(Sk / tile_n)] int32, zeroed (split, det.)
         scale_log2: cutlass.Float32,
         bias_scale: cutlass.Float32,
         softcap_scale: cutlass.Float32,
@@ -366,7 +371,7 @@ class FlashBwdSm90:
         grid = (cute.ceil_div(mK.shape[1], tn), mK.shape[2] * head_splits, mK.shape[0])
         self.kernel(
             tQ, tK, tV, tdO, tdK, tdV, tdQ, mQ.shape[1], mK.shape[1], mStats, mDpsum, mMask,
-            mBias, mBits, mdBias, mSem, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
+            mBias, mBits, mdBias, mSem, mSemKV, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
             scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, window_left,
             window_right, mask_head_div, bias_head_div, group, head_splits, rotate, sQ_layout,
             sK_layout, sV_layout, sPdS_layout, sdQ_layout, sKV32_layout, mma_sdp, mma_dkv,
@@ -395,6 +400,7 @@ class FlashBwdSm90:
         mBits: cute.Tensor | None,
         mdBias: cute.Tensor | None,
         mSem: cute.Tensor | None,
+        mSemKV: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -444,7 +450,8 @@ class FlashBwdSm90:
             m_rotate = n_block * rotate
         walk = Walk(
             b, hk, n_block, hk * group + (hk_split - hk * head_splits) * heads, heads,
-            m_block_min, m_block_max, m_blocks, n_blocks, m_rotate, rotate, mask_head_div,
+            m_block_min, m_block_max, m_blocks, n_blocks, hk_split - hk * head_splits, m_rotate,
+            rotate, mask_head_div,
             bias_head_div, mBits, spec.mask is not None and spec.mask.row_broadcast,
             2 if spec.deterministic else 1,
         )  # fmt: skip
@@ -519,7 +526,7 @@ class FlashBwdSm90:
                 tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, smem, tile_smem, mStats,
                 mDpsum, mdBias, tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, pipe_tiles, mma_sdp,
                 mma_dkv, mma_dq, limits, walk, scale_log2, bias_scale, softcap_scale, softcap,
-                softmax_scale,
+                softmax_scale, mSemKV,
             )  # fmt: skip
 
     @cute.jit
@@ -694,7 +701,7 @@ class FlashBwdSm90:
     def mma(
         self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, smem, tile_smem, mStats, mDpsum,
         mdBias, tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, pipe_tiles, mma_sdp, mma_dkv, mma_dq,
-        limits, walk, scale_log2, bias_scale, softcap_scale, softcap, softmax_scale,
+        limits, walk, scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, mSemKV,
     ):  # fmt: skip
         """An MMA warpgroup: every step's five GEMMs and pointwise work, then the epilogue."""
         spec = self.spec
@@ -793,11 +800,16 @@ class FlashBwdSm90:
             tiles.acc_to_smem(acc_dV, self.dtype, r2s, mma_dkv, tidx, sV)
             self.store_tiles(((tma_dk, tdK, sK), (tma_dv, tdV, sV)), walk, tidx)
         else:
-            # fp32 partial sums, one after the other over sK and sV, added by TMA reduce-add
+            # fp32 partial sums, one after the other over sK and sV, added by TMA reduce-add;
+            # deterministic: in split order (this CTA's turn from the dK add to the dV one)
+            turns = None
+            if cutlass.const_expr(spec.deterministic):
+                turns = DqTurns(mSemKV, tidx)
+                turns.take(walk.b, walk.hk, walk.n_block, walk.split)
             self.store_tiles(((tma_dk, tdK, sKV32),), walk, tidx, acc_dK, mma_dkv)
             # the reduce has read the tile before dV overwrites it
             cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=_MMA_THREADS)
-            self.store_tiles(((tma_dv, tdV, sKV32),), walk, tidx, acc_dV, mma_dkv)
+            self.store_tiles(((tma_dv, tdV, sKV32),), walk, tidx, acc_dV, mma_dkv, turns)
 
     @cute.jit
     def mma_step(self, mm, walk, h, m_block, state, acc_dK, acc_dV):
@@ -865,11 +877,11 @@ class FlashBwdSm90:
         cute.arch.barrier_arrive(barrier_id=_DQ_READY, number_of_threads=_MMA_THREADS + 32)
 
     @cute.jit
-    def store_tiles(self, stores, walk, tidx, acc=None, tiled_mma=None):
+    def store_tiles(self, stores, walk, tidx, acc=None, tiled_mma=None, turns=None):
         """(atom, TMA view, smem tile) of each store: the (tile_n, D) tiles of the CTA's key
         block (smem -> gmem; rows past Sk and columns past D are not written), after `acc`
         (fp32) is written to the one smem tile when given. Returns once the stores have read
-        smem."""
+        smem; with `turns`, once every addition of this CTA is done, and passes the turn."""
         tn, dp = self.tile_n, self.head_dim_padded
         if cutlass.const_expr(acc is not None):
             r2s_f32 = cute.make_copy_atom(
@@ -888,6 +900,10 @@ class FlashBwdSm90:
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(turns is not None):
+                cute.arch.cp_async_bulk_wait_group(0)  # the additions are done in global memory
+                cute.arch.sync_warp()  # whichever lane issued them, before lane 0 passes on
+                turns.give(walk.b, walk.hk, walk.n_block, walk.split)
 
     @cute.jit
     def probabilities(
