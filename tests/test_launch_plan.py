@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmattn_cute.jit import ARCH_ENV, cache
+from dmattn_cute.jit import ARCH_ENV, KERNELS_ENV, cache
 from dmattn_cute.kernels import fwd_launch
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
+from dmattn_cute.kernels.fwd import FwdSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 from dmattn_cute.problem import make_problem
 
@@ -88,3 +89,13 @@ def test_clearing_the_kernel_memory_clears_the_plans(launches) -> None:
     cache.clear_memory()
     forward(None, None)
     assert len(launches["compiled"]) == 2
+
+
+def test_the_kernels_setting_makes_another_plan(launches, monkeypatch) -> None:
+    """DMATTN_CUTE_KERNELS=mma_sync after a plan was made on sm_90a: the mma.sync forward runs,
+    not the remembered Hopper plan."""
+    forward(None, None)
+    monkeypatch.setenv(KERNELS_ENV, "mma_sync")
+    forward(None, None)
+    hopper, portable = launches["compiled"]
+    assert isinstance(hopper, Sm90FwdSpec) and isinstance(portable, FwdSpec)
