@@ -293,7 +293,83 @@ def check_problem(
 
     Raises TypeError for a wrong type or dtype and ValueError for a wrong shape, value or
     device; nothing is launched or written.
+
+    Every check reads only the arguments' metadata (types, shapes, strides, dtypes, devices)
+    and the scalars' types and values: a call whose `call_signature` was validated before
+    returns that Problem again without re-checking (about 30 us of Python per call).
     """
+    signature = None
+    if not torch.compiler.is_compiling():
+        signature = call_signature(
+            query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+            window_size, deterministic,
+        )  # fmt: skip
+        problem = _VALIDATED.get(signature) if signature is not None else None
+        if problem is not None:
+            return problem
+    problem = _validate(
+        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+        window_size, deterministic,
+    )  # fmt: skip
+    if signature is not None:
+        if len(_VALIDATED) >= _VALIDATED_MAX:
+            _VALIDATED.clear()
+        _VALIDATED[signature] = problem
+    return problem
+
+
+# Problems of validated call signatures (check_problem); cleared when full.
+_VALIDATED: dict[tuple, Problem] = {}
+_VALIDATED_MAX = 1024
+
+
+def _tensor_signature(t: object) -> tuple | None:
+    # Exactly torch.Tensor: a subclass (e.g. a FakeTensor) may answer metadata differently.
+    if type(t) is not Tensor:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def call_signature(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    attn_bias: object,
+    softmax_scale: object,
+    is_causal: object,
+    softcap: object,
+    window_size: object,
+    deterministic: object,
+) -> tuple | None:
+    """What check_problem's verdict depends on, as a hashable key; None when an argument is
+    of a kind the key does not describe (the call is then validated in full). Scalars are
+    keyed with their types, so that True and 1, or 1 and 1.0, stay apart."""
+    tensors = [_tensor_signature(t) for t in (query, key, value)]
+    for t in (attn_mask, attn_bias):
+        tensors.append(None if t is None else _tensor_signature(t))
+        if t is not None and tensors[-1] is None:
+            return None
+    if None in tensors[:3] or type(window_size) not in (tuple, list):
+        return None
+    scalars = (softmax_scale, is_causal, softcap, deterministic, *window_size)
+    if not all(type(x) in (int, float, bool, type(None)) for x in scalars):
+        return None
+    return (*tensors, type(window_size), *((type(x), x) for x in scalars))
+
+
+def _validate(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    attn_bias: Tensor | None,
+    softmax_scale: float | None,
+    is_causal: bool,
+    softcap: float,
+    window_size: tuple[int, int],
+    deterministic: bool,
+) -> Problem:
     _check_qkv(query, key, value)
     batch, seqlen_q, num_heads, head_dim = _shape(query)
     seqlen_k, num_heads_kv = key.shape[1], key.shape[2]

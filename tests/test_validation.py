@@ -231,6 +231,32 @@ def test_bad_input_raises_naming_argument(case):
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
+@pytest.mark.parametrize("case", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_raises_after_a_validated_call(case):
+    """check_problem remembers validated call signatures: a bad call that shares the tensors
+    of a validated one (or its scalars' values, as 1 shares True's) is still refused."""
+    change, error, fragments = case
+    args = good_args()
+    flash_dmattn_func(**args)  # validated; its signature is remembered
+    flash_dmattn_func(**args)
+    change(args)
+    with pytest.raises(error) as info:
+        flash_dmattn_func(**args)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_validated_signature_gives_the_same_problem():
+    args = good_args()
+    first, _, _ = make_problem(*args.values(), None, False, 0.0, (-1, -1), False)
+    again, _, _ = make_problem(*args.values(), None, False, 0.0, (-1, -1), False)
+    assert again is first
+    # another stride pattern of the same shapes is validated anew
+    args["attn_mask"] = args["attn_mask"].transpose(2, 3).contiguous().transpose(2, 3)
+    other, _, _ = make_problem(*args.values(), None, False, 0.0, (-1, -1), False)
+    assert other is not first and other == first
+
+
 def broadcast_shapes(b, h, hkv, sq, sk):
     """Every mask/bias shape SPEC.md allows: 4-D [Bm, Hm, Qm, Km] and 3-D [Bm, Hm, Km]."""
     heads = sorted({1, hkv, h})

@@ -49,6 +49,8 @@ _counts = {"compiles": 0, "loads": 0}
 # cute.compile keeps its options (including the target arch) in process-wide DSL state, so two
 # compiles must never overlap; the same lock makes "look up, else load or compile once" atomic.
 _lock = threading.Lock()
+# Other in-memory caches that hold kernels from here (e.g. the launch plans): cleared with it.
+_holders: list[dict] = []
 
 
 def cache_dir() -> Path | None:
@@ -177,7 +179,16 @@ def load_count() -> int:
     return _counts["loads"]
 
 
+def holds_kernels(holder: dict) -> dict:
+    """Register a dict whose values hold compiled kernels (a launch-plan cache): clear_memory
+    empties it too, so no kernel outlives the memory cache. Returns the dict."""
+    _holders.append(holder)
+    return holder
+
+
 def clear_memory() -> None:
     """Forget the kernels held in memory (the disk cache is kept)."""
     with _lock:
         _memory.clear()
+        for holder in _holders:
+            holder.clear()

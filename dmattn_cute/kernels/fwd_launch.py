@@ -8,13 +8,15 @@ current torch stream.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
 from ..jit.arch import hopper_kernels, target_arch
-from ..jit.cache import compiled
+from ..jit.cache import compiled, holds_kernels
 from ..problem import Problem
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import block_bits_spec, mask_block_bits
+from .block_bits_launch import block_bits_shape, block_bits_spec
 from .fwd import FwdScalars, FwdSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view
 from .sm90.fwd import Sm90FwdSpec
@@ -70,6 +72,47 @@ def bits_spec_of(
     return block_bits_spec(operand_view(mask), problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
 
 
+class _FwdPlan(NamedTuple):
+    """What one forward call launches, shared by every call with the same problem, arch and
+    mask/bias layouts: the variant's kernel and scalars and, for the Hopper kernel with a
+    mask, the block-bits pre-pass's kernel, the bits' shape and the strides of their view
+    indexed like the mask (stride 0 on its broadcast batch and head dims)."""
+
+    spec: FwdSpec | Sm90FwdSpec
+    kernel: Any
+    scalars: tuple
+    bits_kernel: Any
+    bits_shape: tuple[int, ...] | None
+    bits_strides: tuple[int, ...] | None
+
+
+# Plans by (problem, arch, kernel family choice, mask layout, bias layout); cleared when full
+# and with the kernels' memory cache (jit.cache.clear_memory).
+_PLANS: dict[tuple, _FwdPlan] = holds_kernels({})
+_PLANS_MAX = 256
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What a kernel view contributes to the variant (operand_spec) and to its block bits."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+
+
+def _plan(
+    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+) -> _FwdPlan:
+    mask_spec = operand_spec(mask, problem.seqlen_k)
+    spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch)
+    scalars = kernel_scalars(FwdScalars, problem, mask, bias)
+    if not isinstance(spec, Sm90FwdSpec) or mask is None:
+        return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None)
+    tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
+    bits_spec = BlockBitsSpec(mask_spec, tile_m, tile_n)
+    shape = block_bits_shape(mask, problem.seqlen_q, problem.seqlen_k, tile_m, tile_n)
+    dense = torch.empty(shape, dtype=torch.uint8, device="meta").stride()
+    strides = tuple(0 if d < 2 and shape[d] == 1 else dense[d] for d in range(4))
+    return _FwdPlan(spec, compiled(spec, arch), scalars, compiled(bits_spec, arch), shape, strides)
+
+
 def flash_fwd(
     problem: Problem,
     q: torch.Tensor,
@@ -103,18 +146,21 @@ def flash_fwd(
             problem.batch, problem.num_heads, 2, problem.seqlen_q, dtype=torch.float32,
             device=q.device,
         )  # fmt: skip
-    mask_spec = operand_spec(mask, problem.seqlen_k)
-    spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch)
-    kernel = compiled(spec, arch)
-    scalars = kernel_scalars(FwdScalars, problem, mask, bias)
-    if isinstance(spec, Sm90FwdSpec):
-        bits = None
-        if mask is not None:
-            tile = (spec.tile.tile_m, spec.tile.tile_n)
-            bits = mask_block_bits(mask, mask_spec, problem.seqlen_q, problem.seqlen_k, tile, arch)
-        kernel(q, k, v, out, lse, stats, mask, bias, bits, *scalars)
+    key = (problem, arch, hopper_kernels(arch), _layout(mask), _layout(bias))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(problem, mask, bias, arch)
+    if plan.bits_kernel is not None:
+        bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
+        plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k)
+        bits = bits.as_strided(plan.bits_shape, plan.bits_strides)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, *plan.scalars)
+    elif isinstance(plan.spec, Sm90FwdSpec):
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, *plan.scalars)
     else:
-        kernel(q, k, v, out, lse, stats, mask, bias, *scalars)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, *plan.scalars)
     return out, lse, stats
 
 

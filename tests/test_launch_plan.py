@@ -1,0 +1,101 @@
+"""The forward launch's plan cache (kernels/fwd_launch.py), on the CPU: kernels are replaced by
+recorders, so what is checked is which variant and arguments a call launches, and when the
+plan behind them is made again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmattn_cute.jit import ARCH_ENV, KERNELS_ENV, cache
+from dmattn_cute.kernels import fwd_launch
+from dmattn_cute.kernels.block_bits import BlockBitsSpec
+from dmattn_cute.kernels.fwd import FwdSpec
+from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
+from dmattn_cute.problem import make_problem
+
+B, SQ, SK, H, HKV, D = 2, 300, 200, 4, 2, 64
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every compiled() request (spec) and every kernel call (spec, args), in order."""
+    monkeypatch.setenv(ARCH_ENV, "sm_90a")
+    cache.clear_memory()
+    record = {"compiled": [], "calls": []}
+
+    def compiled(spec, arch):
+        record["compiled"].append(spec)
+        return lambda *args: record["calls"].append((spec, args))
+
+    monkeypatch.setattr(fwd_launch, "compiled", compiled)
+    yield record
+    cache.clear_memory()
+
+
+def forward(mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bool = False):
+    q = torch.randn(B, SQ, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, SK, HKV, D, dtype=torch.bfloat16) for _ in range(2))
+    problem, mask4, bias4 = make_problem(q, k, v, mask, bias, None, is_causal, 0.0, (-1, -1), False)
+    return fwd_launch.flash_fwd(problem, q, k, v, mask4, bias4)
+
+
+def test_same_layouts_reuse_the_plan(launches) -> None:
+    mask = torch.rand(1, HKV, SQ, SK) < 0.5
+    bias = torch.randn(B, H, 1, SK, dtype=torch.bfloat16)
+    forward(mask, bias)
+    forward(mask.clone(), bias.clone())  # new tensors, same layouts
+    assert len(launches["compiled"]) == 2  # the forward and its block-bits pre-pass, once
+    bits_spec, fwd_spec = launches["compiled"][1], launches["compiled"][0]
+    assert isinstance(fwd_spec, Sm90FwdSpec) and isinstance(bits_spec, BlockBitsSpec)
+    assert [spec for spec, _ in launches["calls"]] == [bits_spec, fwd_spec] * 2
+    # the second call's bits: a fresh tensor the pre-pass wrote, viewed with stride 0 on
+    # the mask's broadcast batch
+    written = launches["calls"][2][1][1]
+    bits = launches["calls"][3][1][8]
+    assert bits.data_ptr() == written.data_ptr()
+    assert bits.shape == (1, HKV, -(-SQ // fwd_spec.tile.tile_m), -(-SK // fwd_spec.tile.tile_n))
+    assert bits.stride()[0] == 0 and bits.stride()[1:] == written.stride()[1:]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda b: b.transpose(0, 1).contiguous().transpose(0, 1), id="strides"),
+        pytest.param(lambda b: b.float(), id="dtype"),
+        pytest.param(
+            lambda b: torch.randn(B, H, SQ, SK + 1, dtype=b.dtype)[..., 1:], id="misaligned"
+        ),
+    ],
+)
+def test_another_bias_layout_makes_another_plan(launches, change) -> None:
+    mask = torch.rand(B, HKV, SQ, SK) < 0.5
+    bias = torch.randn(B, H, SQ, SK, dtype=torch.bfloat16)
+    forward(mask, bias)
+    forward(mask, change(bias))
+    assert len(launches["compiled"]) == 4  # planned again (the variant may be the same)
+
+
+def test_another_problem_makes_another_plan(launches) -> None:
+    forward(None, None)
+    forward(None, None, is_causal=True)
+    assert len(launches["compiled"]) == 2
+    first, second = launches["compiled"]
+    assert not first.has_window and second.has_window
+
+
+def test_clearing_the_kernel_memory_clears_the_plans(launches) -> None:
+    forward(None, None)
+    cache.clear_memory()
+    forward(None, None)
+    assert len(launches["compiled"]) == 2
+
+
+def test_the_kernels_setting_makes_another_plan(launches, monkeypatch) -> None:
+    """DMATTN_CUTE_KERNELS=mma_sync after a plan was made on sm_90a: the mma.sync forward runs,
+    not the remembered Hopper plan."""
+    forward(None, None)
+    monkeypatch.setenv(KERNELS_ENV, "mma_sync")
+    forward(None, None)
+    hopper, portable = launches["compiled"]
+    assert isinstance(hopper, Sm90FwdSpec) and isinstance(portable, FwdSpec)
