@@ -17,8 +17,8 @@ the same visible query blocks, a full one loads and applies no mask tile. Four r
   odd strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
   copies land.
 - two MMA warpgroups: per step S = bias / scale + Q K^T (a query-broadcast bias added after
-  Q K^T) and dP = dO V^T by wgmma (each
-  warpgroup half of the keys), the softcap, mask and causal/window limits, P = exp(S - lse)
+  Q K^T) and dP = dO V^T by wgmma (each warpgroup half of the keys), the softcap, mask and
+  causal/window limits, P = exp(S - lse)
   from the forward's stats, dS = P (dP - dpsum), dbias from dS, dS times the softcap's
   derivative; P and dS to smem; then dV += P^T dO and dK += dS^T Q (each warpgroup its half of
   the keys, or of the head-dim columns when the key block is 64 wide) and dQ = dS K (each
