@@ -22,7 +22,8 @@ from .utils import acc_mn_view, mul_rz
 @dataclass(frozen=True)
 class Scores:
     """S of one block from the bias-first accumulator: bias / scale as its initial value,
-    Q K^T added by the caller's GEMM, then softcap, the bias after the cap, the mask tile.
+    Q K^T added by the caller's GEMM (a query-broadcast bias in the Hopper forward is added
+    after it instead), then softcap, the bias after the cap, the mask tile.
 
     has_bias/has_mask/has_softcap are compile-time; the scales are the launch's scalars.
     """
@@ -33,21 +34,15 @@ class Scores:
     bias_scale: cutlass.Float32
     softcap_scale: cutlass.Float32
     softcap: cutlass.Float32
-    # The bias tile is one row read by every score row (a query-broadcast bias in the forward):
-    # each column is scaled once for all of a thread's rows.
+    # The bias tile is one row read by every score row (a query-broadcast bias in the Hopper
+    # forward): finish adds it after Q K^T, each column scaled once for all of a thread's rows.
     bias_rows_shared: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def start(self, acc_s: cute.Tensor, t_bias: cute.Tensor | None):
         """acc_s before Q K^T: bias / scale (smem -> rmem, so scale * S = scale * QK^T + bias
         needs no separate pass), or 0 (no bias, or softcap: the bias follows the cap)."""
-        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_rows_shared):
-            acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
-            for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
-                column = mul_rz(cutlass.Float32(bias_mn[0, c]), self.bias_scale)
-                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                    acc_mn[r, c] = column
-        elif cutlass.const_expr(self.has_bias and not self.has_softcap):
+        if cutlass.const_expr(self.has_bias and not self.has_softcap):
             acc_s.store(t_bias.load().to(cutlass.Float32))
             # a loop the compiler unrolls: traced once, not once per element
             for i in cutlass.range(cute.size(acc_s), unroll_full=True):
@@ -79,6 +74,13 @@ class Scores:
                 bias.store(t_bias.load().to(cutlass.Float32))
                 capped = capped + bias.load()
             acc_s.store(capped)
+        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_rows_shared):
+            # a query-broadcast bias after Q K^T (the Hopper forward): bias / scale per column
+            acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
+            for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
+                column = mul_rz(cutlass.Float32(bias_mn[0, c]), self.bias_scale)
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                    acc_mn[r, c] = acc_mn[r, c] + column
         if cutlass.const_expr(self.has_mask):
             if mask_full == 0:
                 keep = t_mask.load() != 0

@@ -16,8 +16,9 @@ the same visible query blocks, a full one loads and applies no mask tile. Four r
 - warps 2-3: the step's mask and bias tiles by predicated cp.async (any view: broadcast dims,
   odd strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
   copies land.
-- two MMA warpgroups: per step S = bias / scale + Q K^T and dP = dO V^T by wgmma (each
-  warpgroup half of the keys), the softcap, mask and causal/window limits, P = exp(S - lse)
+- two MMA warpgroups: per step S = bias / scale + Q K^T (a query-broadcast bias added after
+  Q K^T) and dP = dO V^T by wgmma (each warpgroup half of the keys), the softcap, mask and
+  causal/window limits, P = exp(S - lse)
   from the forward's stats, dS = P (dP - dpsum), dbias from dS, dS times the softcap's
   derivative; P and dS to smem; then dV += P^T dO and dK += dS^T Q (each warpgroup its half of
   the keys, or of the head-dim columns when the key block is 64 wide) and dQ = dS K (each
@@ -289,8 +290,13 @@ class FlashBwdSm90:
         self.head_dim_padded = spec.head_dim_padded
         self.split_keys = spec.tile.dkv_split_keys
         self.has_tiles = spec.mask is not None or spec.bias is not None
-        # The score accumulator starts from the bias unless the bias follows the softcap.
-        self.bias_first = spec.bias is not None and not spec.has_softcap
+        # The score accumulator starts from the bias unless the bias follows the softcap or
+        # is one row (query-broadcast): that one is added after Q K^T, each column scaled once,
+        # and its stage is waited for after the GEMMs are issued.
+        self.bias_rows_shared = spec.bias is not None and spec.bias.row_broadcast
+        self.bias_first = (
+            spec.bias is not None and not spec.has_softcap and not self.bias_rows_shared
+        )
         self.registers = _REGISTERS[self.has_tiles]
 
     @cute.jit
@@ -750,7 +756,7 @@ class FlashBwdSm90:
         views = {name: thr_sdp.partition_C(tile_smem[name][1]) for name in tile_smem}
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
-            softcap_scale, softcap,
+            softcap_scale, softcap, self.bias_rows_shared,
         )  # fmt: skip
         dbias = None
         if cutlass.const_expr(spec.dbias is not None):
@@ -821,7 +827,7 @@ class FlashBwdSm90:
         coord = mm.tScS[None, None, None, m_block]
         # ---- S = bias / scale + Q K^T and dP = dO V^T (issued together) ----
         t_bias = t_mask = None
-        if cutlass.const_expr(self.has_tiles):
+        if cutlass.const_expr(self.bias_first):
             mm.pipe_tiles.consumer_wait(state)
         if cutlass.const_expr(spec.bias is not None):
             t_bias = mm.views["bias"][None, None, None, idx]
@@ -835,6 +841,8 @@ class FlashBwdSm90:
         wgmma(mm.mma_sdp, acc_S, mm.tSrQ[None, None, None, idx], mm.tSrK, self.bias_first, -1)
         mm.pipe_do.consumer_wait(state)
         wgmma(mm.mma_sdp, acc_dP, mm.tdPrdO[None, None, None, idx], mm.tdPrV, False, -1)
+        if cutlass.const_expr(self.has_tiles and not self.bias_first):
+            mm.pipe_tiles.consumer_wait(state)  # read only after Q K^T
         # the forward's stats and dpsum of this thread's rows, under the GEMMs
         row_max, log2sum, dpsum = load_row_stats(
             mm.mStats, mm.mDpsum, coord, walk.b, h, mm.limits.seqlen_q, spec.bias is not None

@@ -9,8 +9,8 @@ One CTA per (query block, head, batch), longest causal rows first. Three warpgro
   tile, and a bias TMA cannot read, with predicated cp.async (any view: broadcast dims, odd
   strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
   copies land. A block's bias and mask go before its K and V.
-- two consumers (64 query rows each): S = bias / scale + Q K^T by wgmma from smem, softcap /
-  mask / causal-window limits, the online softmax, O += P V by wgmma with P from registers.
+- two consumers (64 query rows each): S = bias / scale + Q K^T by wgmma from smem (a
+  query-broadcast bias added after the GEMM), softcap / mask / causal-window limits, the online softmax, O += P V by wgmma with P from registers.
   The next block's Q K^T is issued before the previous block's P V (so the softmax of one
   block runs under the GEMMs of its neighbours), and with head dims up to 128 the two
   consumers take turns at the tensor cores (named barriers), one's softmax under the other's
@@ -156,8 +156,13 @@ class FlashFwdSm90:
         self.bias_tma = spec.bias is not None and spec.bias.tma_tiles
         # tiles the producer copies with cp.async
         self.has_tiles = spec.mask is not None or (spec.bias is not None and not self.bias_tma)
-        # The score accumulator starts from the bias unless the bias follows the softcap.
-        self.bias_first = spec.bias is not None and not spec.has_softcap
+        # The score accumulator starts from a bias tile unless the bias follows the softcap. A
+        # query-broadcast bias is added after Q K^T (Scores.finish): its per-column copies into
+        # the accumulator then sit off the consumers' path to their next GEMM issue, and the
+        # stage's wait moves after that issue too (5% faster on H100, bench README).
+        self.bias_first = (
+            spec.bias is not None and not spec.has_softcap and not spec.bias.row_broadcast
+        )
         self.take_turns = spec.head_dim_padded <= 128
         self.consumer_wgs = spec.tile.consumer_warpgroups
         self.registers = _REGISTERS[(self.consumer_wgs, self.has_tiles)]
@@ -609,7 +614,7 @@ class FlashFwdSm90:
     def start_scores(self, scores, acc_S, views, pipe_tiles, pipe_bias, state):
         """acc_S before Q K^T: bias / scale once the stage's tiles have landed (bias first),
         else left for the GEMM to overwrite."""
-        if cutlass.const_expr(self.has_tiles):
+        if cutlass.const_expr(self.has_tiles and self.bias_first):
             pipe_tiles.consumer_wait(state)
         if cutlass.const_expr(self.bias_tma):
             pipe_bias.consumer_wait(state)
@@ -634,6 +639,8 @@ class FlashFwdSm90:
         """acc_S after Q K^T: softcap, the bias after it, the mask tile (unless full), the
         causal/window/length limits; then the stage's mask/bias tiles are released."""
         spec = self.spec
+        if cutlass.const_expr(self.has_tiles and not self.bias_first):
+            pipe_tiles.consumer_wait(state)  # not waited for before Q K^T (start_scores)
         t_bias = t_mask = None
         if cutlass.const_expr(spec.bias is not None):
             t_bias = views["bias"][None, None, None, state.index]
