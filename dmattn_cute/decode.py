@@ -55,17 +55,21 @@ def packed_decode(
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads // heads_kv
     packed = q[:, 0].view(batch, heads_kv, group, head_dim).transpose(1, 2)
-    chunk = -(-seqlen_k // splits)
-    outs, lses = [], []
-    for start in range(0, seqlen_k, chunk):
-        keys = slice(start, min(seqlen_k, start + chunk))
-        parts = [t if t is None or t.shape[-1] == 1 else t[..., keys] for t in (mask, bias)]
-        out, lse = flash_dmattn_func(
-            packed, k[:, keys], v[:, keys], *parts, softmax_scale=softmax_scale,
-            softcap=softcap, return_lse=True,
-        )  # fmt: skip
-        outs.append(out.float())  # [B, group, Hkv, D]
-        lses.append(lse)  # [B, Hkv, group]
+    if splits > 1 and seqlen_k % splits == 0 and k.is_contiguous() and v.is_contiguous():
+        # one launch: chunk s of row b is batch entry b * splits + s (k, v: views)
+        outs, lses = _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits)
+    else:
+        chunk = -(-seqlen_k // splits)
+        outs, lses = [], []
+        for start in range(0, seqlen_k, chunk):
+            keys = slice(start, min(seqlen_k, start + chunk))
+            parts = [t if t is None or t.shape[-1] == 1 else t[..., keys] for t in (mask, bias)]
+            out, lse = flash_dmattn_func(
+                packed, k[:, keys], v[:, keys], *parts, softmax_scale=softmax_scale,
+                softcap=softcap, return_lse=True,
+            )  # fmt: skip
+            outs.append(out.float())  # [B, group, Hkv, D]
+            lses.append(lse)  # [B, Hkv, group]
     lse_parts = torch.stack(lses)
     lse = torch.logsumexp(lse_parts, dim=0)
     # -inf - -inf: a chunk and the whole row without a visible key weigh 0
@@ -73,6 +77,37 @@ def packed_decode(
     out = sum(w.transpose(1, 2)[..., None] * o for w, o in zip(weights, outs, strict=True))
     out = out.transpose(1, 2).reshape(batch, 1, heads, head_dim).to(q.dtype)
     return out, lse.reshape(batch, heads, 1)
+
+
+def _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits):
+    """The chunks' outputs [B, group, Hkv, D] and lses [B, Hkv, group], one list entry per
+    chunk, from one forward over B * splits batch entries: contiguous k, v viewed as
+    [B * splits, Sk / splits, Hkv, D]; the packed queries (tiny) and the mask/bias rows
+    (the size of one key row per batch and head) copied into that batch order."""
+    batch, group, heads_kv, head_dim = packed.shape
+    chunk = k.shape[1] // splits
+    keys = k.view(batch * splits, chunk, heads_kv, head_dim)
+    values = v.view(batch * splits, chunk, heads_kv, head_dim)
+    queries = packed.unsqueeze(1).expand(batch, splits, group, heads_kv, head_dim)
+    queries = queries.reshape(batch * splits, group, heads_kv, head_dim)
+
+    def rows(t):  # [Bm, Hm, 1, Sk] -> [B * splits, Hm, 1, chunk] (a key-broadcast one as is)
+        if t is None or t.shape[-1] == 1:
+            return (
+                None
+                if t is None
+                else t.expand(batch, *t.shape[1:]).repeat_interleave(splits, dim=0)
+            )
+        t = t.expand(batch, *t.shape[1:])
+        return t.unflatten(-1, (splits, chunk)).movedim(3, 1).flatten(0, 1)
+
+    out, lse = flash_dmattn_func(
+        queries, keys, values, rows(mask), rows(bias), softmax_scale=softmax_scale,
+        softcap=softcap, return_lse=True,
+    )  # fmt: skip
+    out = out.float().view(batch, splits, group, heads_kv, head_dim)
+    lse = lse.view(batch, splits, heads_kv, group)
+    return list(out.unbind(1)), list(lse.unbind(1))
 
 
 __all__ = ["decode_splits", "packable", "packed_decode"]
