@@ -17,9 +17,12 @@ from dmattn_cute.attention import flash_dmattn_func
 
 
 def decode_splits(batch: int, heads_kv: int, seqlen_k: int, sms: int) -> int:
-    """Key chunks per (row, kv head): enough for two CTAs per SM, each chunk at least 512 keys."""
-    wanted = math.ceil(2 * sms / (batch * heads_kv))
-    return max(1, min(wanted, math.ceil(seqlen_k / 512)))
+    """Key chunks per (row, kv head): up to enough for two CTAs per SM, each chunk at least
+    512 keys; the largest such count that divides the keys (its chunks then run in one
+    launch), else that upper count."""
+    wanted = max(1, min(math.ceil(2 * sms / (batch * heads_kv)), math.ceil(seqlen_k / 512)))
+    divisors = [n for n in range(2, wanted + 1) if seqlen_k % n == 0]
+    return divisors[-1] if divisors else wanted
 
 
 def packable(q: Tensor, k: Tensor, operands: tuple[Tensor | None, ...]) -> bool:

@@ -45,6 +45,7 @@ def test_what_packs():
 
 
 def test_splits_fill_the_gpu_with_long_enough_chunks():
-    assert decode_splits(8, 4, 32768, 132) == 9  # 2 x 132 CTAs over 32 (row, kv head) pairs
+    assert decode_splits(8, 4, 32768, 132) == 8  # up to 9 (2 x 132 CTAs / 32 pairs), dividing
     assert decode_splits(8, 4, 1000, 132) == 2  # chunks of at least 512 keys
+    assert decode_splits(8, 4, 32771, 132) == 9  # a prime: no divisor, chunks in a loop
     assert decode_splits(64, 8, 4096, 132) == 1
