@@ -46,6 +46,22 @@ def _peer(x: Inputs) -> None:
         raise Unsupported("deterministic mode is ours")
 
 
+def ours_kvcache(x: Inputs) -> Candidates:
+    """Ours through flash_dmattn_with_kvcache (k, v as a full cache): its decode path packs a
+    group's heads and splits the keys (one query per row only)."""
+    from dmattn_cute import flash_dmattn_with_kvcache
+
+    if x.q.shape[1] != 1 or x.q.requires_grad:
+        raise Unsupported("one query per row, no gradient (the kv-cache API's decode path)")
+    _peer(x)
+    yield (
+        "",
+        lambda: flash_dmattn_with_kvcache(
+            x.q, x.k, x.v, attn_mask=x.mask, attn_bias=x.bias, is_causal=x.causal
+        ),
+    )
+
+
 def _heads_first(*tensors: Tensor) -> list[Tensor]:
     return [t.transpose(1, 2) for t in tensors]
 
@@ -215,7 +231,17 @@ def flash_dmattn(x: Inputs) -> Candidates:
 
 PEERS = {
     f.__name__: f
-    for f in (ours, sdpa_flash, sdpa_efficient, sdpa_math, flex, flash_attn, fa4, flash_dmattn)
+    for f in (
+        ours,
+        ours_kvcache,
+        sdpa_flash,
+        sdpa_efficient,
+        sdpa_math,
+        flex,
+        flash_attn,
+        fa4,
+        flash_dmattn,
+    )
 }
 OURS = "ours"
 

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from dmattn_cute.attention import flash_dmattn_func
-from dmattn_cute.problem import check_bool, check_broadcast, check_window_size
+from dmattn_cute.decode import decode_splits, packable, packed_decode
+from dmattn_cute.problem import broadcast_view, check_bool, check_broadcast, check_window_size
 
 
 def flash_dmattn_with_kvcache(
@@ -125,10 +126,23 @@ def flash_dmattn_with_kvcache(
         mask = _visible(lengths + seqlen_new, seqlen_q, seqlen_cache, is_causal, left, right)
         if attn_mask is not None:
             mask = mask & (attn_mask.unsqueeze(2) if attn_mask.dim() == 3 else attn_mask)
+        bias = None if attn_bias is None else broadcast_view(attn_bias)
+        if packable(q, keys, (mask, bias)):
+            # one query per row: the group's heads packed as rows, the keys split in chunks
+            splits = decode_splits(batch, heads_kv, seqlen_cache, _sms(q.device))
+            out, lse = packed_decode(q, keys, values, mask, bias, softmax_scale, softcap, splits)
+            return (out, lse) if return_lse else out
         return flash_dmattn_func(
             q, keys, values, mask, attn_bias, softmax_scale=softmax_scale, softcap=softcap,
             return_lse=return_lse,
         )  # fmt: skip
+
+
+def _sms(device: torch.device) -> int:
+    """SMs of a CUDA device (a CPU run plans as for an H100)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 def _cache_rows(

@@ -1,0 +1,116 @@
+"""Decoding (one query per row) composed from the forward kernel: the query heads of a group
+packed as rows (PackGQA: K and V are read once per kv head, not once per query head) and the
+keys split into chunks run side by side (split-KV: enough CTAs to read the cache at the
+GPU's bandwidth), their partial outputs merged by their log-sum-exps.
+
+Used by flash_dmattn_with_kvcache for Sq = 1. A kernel that does both in one launch (and
+combines in a second) is the next step (issue 16)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from dmattn_cute.attention import flash_dmattn_func
+
+
+def decode_splits(batch: int, heads_kv: int, seqlen_k: int, sms: int) -> int:
+    """Key chunks per (row, kv head): up to enough for two CTAs per SM, each chunk at least
+    512 keys; the largest such count that divides the keys (its chunks then run in one
+    launch), else that upper count."""
+    wanted = max(1, min(math.ceil(2 * sms / (batch * heads_kv)), math.ceil(seqlen_k / 512)))
+    divisors = [n for n in range(2, wanted + 1) if seqlen_k % n == 0]
+    return divisors[-1] if divisors else wanted
+
+
+def packable(q: Tensor, k: Tensor, operands: tuple[Tensor | None, ...]) -> bool:
+    """Whether a call can run packed: one query per row, q's heads adjacent in memory, and each
+    mask/bias ([Bm, Hm, 1, Km], 4-D) shared by the query heads of a group (Hm in 1, Hkv)."""
+    heads, heads_kv = q.shape[2], k.shape[2]
+    return (
+        q.shape[1] == 1
+        and q.stride(2) == q.shape[3]
+        and all(t is None or (t.dim() == 4 and t.shape[1] in (1, heads_kv)) for t in operands)
+        and heads % heads_kv == 0
+    )
+
+
+def packed_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    softmax_scale: float | None,
+    softcap: float,
+    splits: int,
+) -> tuple[Tensor, Tensor]:
+    """out [B, 1, H, D] and lse [B, H, 1] of one query per row (see packable), the keys in
+    `splits` chunks.
+
+    Each chunk runs the forward on q viewed as [B, group, Hkv, D] (a view: the group's heads
+    as its query rows), its mask/bias sliced alike; the chunks' outputs are merged with the
+    weights exp(lse_chunk - lse), lse the log-sum-exp of theirs (a row with no visible key
+    anywhere: out 0, lse -inf)."""
+    batch, _, heads, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads // heads_kv
+    packed = q[:, 0].view(batch, heads_kv, group, head_dim).transpose(1, 2)
+    if splits > 1 and seqlen_k % splits == 0 and k.is_contiguous() and v.is_contiguous():
+        # one launch: chunk s of row b is batch entry b * splits + s (k, v: views)
+        outs, lses = _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits)
+    else:
+        chunk = -(-seqlen_k // splits)
+        outs, lses = [], []
+        for start in range(0, seqlen_k, chunk):
+            keys = slice(start, min(seqlen_k, start + chunk))
+            parts = [t if t is None or t.shape[-1] == 1 else t[..., keys] for t in (mask, bias)]
+            out, lse = flash_dmattn_func(
+                packed, k[:, keys], v[:, keys], *parts, softmax_scale=softmax_scale,
+                softcap=softcap, return_lse=True,
+            )  # fmt: skip
+            outs.append(out.float())  # [B, group, Hkv, D]
+            lses.append(lse)  # [B, Hkv, group]
+    lse_parts = torch.stack(lses)
+    lse = torch.logsumexp(lse_parts, dim=0)
+    # -inf - -inf: a chunk and the whole row without a visible key weigh 0
+    weights = torch.exp(lse_parts - lse).nan_to_num(0.0)
+    out = sum(w.transpose(1, 2)[..., None] * o for w, o in zip(weights, outs, strict=True))
+    out = out.transpose(1, 2).reshape(batch, 1, heads, head_dim).to(q.dtype)
+    return out, lse.reshape(batch, heads, 1)
+
+
+def _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits):
+    """The chunks' outputs [B, group, Hkv, D] and lses [B, Hkv, group], one list entry per
+    chunk, from one forward over B * splits batch entries: contiguous k, v viewed as
+    [B * splits, Sk / splits, Hkv, D]; the packed queries (tiny) and the mask/bias rows
+    (the size of one key row per batch and head) copied into that batch order."""
+    batch, group, heads_kv, head_dim = packed.shape
+    chunk = k.shape[1] // splits
+    keys = k.view(batch * splits, chunk, heads_kv, head_dim)
+    values = v.view(batch * splits, chunk, heads_kv, head_dim)
+    queries = packed.unsqueeze(1).expand(batch, splits, group, heads_kv, head_dim)
+    queries = queries.reshape(batch * splits, group, heads_kv, head_dim)
+
+    def rows(t):  # [Bm, Hm, 1, Sk] -> [B * splits, Hm, 1, chunk] (a key-broadcast one as is)
+        if t is None or t.shape[-1] == 1:
+            return (
+                None
+                if t is None
+                else t.expand(batch, *t.shape[1:]).repeat_interleave(splits, dim=0)
+            )
+        t = t.expand(batch, *t.shape[1:])
+        return t.unflatten(-1, (splits, chunk)).movedim(3, 1).flatten(0, 1)
+
+    out, lse = flash_dmattn_func(
+        queries, keys, values, rows(mask), rows(bias), softmax_scale=softmax_scale,
+        softcap=softcap, return_lse=True,
+    )  # fmt: skip
+    out = out.float().view(batch, splits, group, heads_kv, head_dim)
+    lse = lse.view(batch, splits, heads_kv, group)
+    return list(out.unbind(1)), list(lse.unbind(1))
+
+
+__all__ = ["decode_splits", "packable", "packed_decode"]
