@@ -22,7 +22,7 @@ from .utils import acc_mn_view, mul_rz
 @dataclass(frozen=True)
 class Scores:
     """S of one block from the bias-first accumulator: bias / scale as its initial value,
-    Q K^T added by the caller's GEMM (a query-broadcast bias in the Hopper forward is added
+    Q K^T added by the caller's GEMM (a query-broadcast bias in the Hopper kernels is added
     after it instead), then softcap, the bias after the cap, the mask tile.
 
     has_bias/has_mask/has_softcap are compile-time; the scales are the launch's scalars.
@@ -34,15 +34,25 @@ class Scores:
     bias_scale: cutlass.Float32
     softcap_scale: cutlass.Float32
     softcap: cutlass.Float32
-    # The bias tile is one row read by every score row (a query-broadcast bias in the Hopper
-    # forward): finish adds it after Q K^T, each column scaled once for all of a thread's rows.
+    # The bias tile is one row read by every score row (a query-broadcast bias): each column is
+    # scaled once for all of a thread's rows, as the start value (the mma.sync forward) or, with
+    # bias_after_gemm, added after Q K^T (the Hopper kernels: their GEMM need not wait for it).
     bias_rows_shared: cutlass.Constexpr[bool] = False
+    bias_after_gemm: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def start(self, acc_s: cute.Tensor, t_bias: cute.Tensor | None):
         """acc_s before Q K^T: bias / scale (smem -> rmem, so scale * S = scale * QK^T + bias
-        needs no separate pass), or 0 (no bias, or softcap: the bias follows the cap)."""
-        if cutlass.const_expr(self.has_bias and not self.has_softcap):
+        needs no separate pass), or 0 (no bias; softcap: the bias follows the cap; a bias added
+        after Q K^T)."""
+        bias_first = self.has_bias and not self.has_softcap and not self.bias_after_gemm
+        if cutlass.const_expr(bias_first and self.bias_rows_shared):
+            acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
+            for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
+                column = mul_rz(cutlass.Float32(bias_mn[0, c]), self.bias_scale)
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                    acc_mn[r, c] = column
+        elif cutlass.const_expr(bias_first):
             acc_s.store(t_bias.load().to(cutlass.Float32))
             # a loop the compiler unrolls: traced once, not once per element
             for i in cutlass.range(cute.size(acc_s), unroll_full=True):
@@ -74,8 +84,8 @@ class Scores:
                 bias.store(t_bias.load().to(cutlass.Float32))
                 capped = capped + bias.load()
             acc_s.store(capped)
-        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_rows_shared):
-            # a query-broadcast bias after Q K^T (the Hopper forward): bias / scale per column
+        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_after_gemm):
+            # a query-broadcast bias after Q K^T (the Hopper kernels): bias / scale per column
             acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
             for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
                 column = mul_rz(cutlass.Float32(bias_mn[0, c]), self.bias_scale)

@@ -756,7 +756,8 @@ class FlashBwdSm90:
         views = {name: thr_sdp.partition_C(tile_smem[name][1]) for name in tile_smem}
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
-            softcap_scale, softcap, self.bias_rows_shared,
+            softcap_scale, softcap, bias_rows_shared=self.bias_rows_shared,
+            bias_after_gemm=self.bias_rows_shared,
         )  # fmt: skip
         dbias = None
         if cutlass.const_expr(spec.dbias is not None):

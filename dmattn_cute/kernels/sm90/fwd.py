@@ -520,9 +520,10 @@ class FlashFwdSm90:
         views = {name: thr_qk.partition_C(tile_smem[name][1]) for name in tile_smem}
         if cutlass.const_expr(self.bias_tma):
             views["bias"] = thr_qk.partition_C(sBias)
+        row_bias = spec.bias is not None and spec.bias.row_broadcast
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
-            softcap_scale, softcap, spec.bias is not None and spec.bias.row_broadcast,
+            softcap_scale, softcap, bias_rows_shared=row_bias, bias_after_gemm=row_bias,
         )  # fmt: skip
         softmax = OnlineSoftmax.create(
             cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None
