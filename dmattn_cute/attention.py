@@ -1,12 +1,13 @@
-"""Public entry point: validate once, then call the ``dmattn_cute::fwd`` op (see ops.py), which
-runs the CuTe kernels on CUDA tensors and the float32 reference elsewhere."""
+"""Public entry point: validate once, then run the kernels (CUDA tensors in eager mode:
+ops.EagerAttention) or call the ``dmattn_cute::fwd`` op (traced, fake, or not CUDA; see
+ops.py), which runs the CuTe kernels on CUDA tensors and the float32 reference elsewhere."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from dmattn_cute.ops import attention_fwd
+from dmattn_cute.ops import EagerAttention, attention_fwd
 from dmattn_cute.problem import check_bool, check_problem
 
 
@@ -29,6 +30,16 @@ def _storage_view(bias: Tensor) -> Tensor:
         return bias
     shape = [1 if st == 0 else n for n, st in zip(bias.shape, bias.stride(), strict=True)]
     return base.as_strided(shape, bias.stride(), bias.storage_offset())
+
+
+def _eager_cuda(query: Tensor) -> bool:
+    """Kernels launched directly (no op): a plain CUDA tensor (not a FakeTensor or another
+    subclass) outside torch.compile's tracing."""
+    return (
+        type(query) in (Tensor, torch.nn.Parameter)
+        and query.is_cuda
+        and not torch.compiler.is_compiling()
+    )
 
 
 def flash_dmattn_func(
@@ -67,12 +78,17 @@ def flash_dmattn_func(
         deterministic,
     )
     check_bool("return_lse", return_lse)
+    if attn_bias is not None:
+        attn_bias = _storage_view(attn_bias)
+    if _eager_cuda(query):
+        out, lse = EagerAttention.apply(problem, query, key, value, attn_mask, attn_bias)
+        return (out, lse) if return_lse else out
     out, lse, _ = attention_fwd(
         query,
         key,
         value,
         attn_mask,
-        None if attn_bias is None else _storage_view(attn_bias),
+        attn_bias,
         problem.softmax_scale,
         problem.is_causal,
         problem.softcap,

@@ -1,5 +1,6 @@
 """The torch.library ops: opcheck, fake (meta) shapes, and torch.compile(fullgraph=True) of a
-model that calls flash_dmattn_func. CPU runs the ops' reference path; CUDA runs the kernels."""
+model that calls flash_dmattn_func. CPU runs the ops' reference path; CUDA runs the kernels
+(eager calls through ops.EagerAttention, which must agree with the ops)."""
 
 import itertools
 
@@ -9,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dmattn_cute import flash_dmattn_func
 from dmattn_cute.modules import DynamicMaskAttention
-from dmattn_cute.ops import attention_bwd, attention_fwd
+from dmattn_cute.ops import EagerAttention, attention_bwd, attention_fwd
 from dmattn_cute.reference import attention_ref
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -171,3 +172,25 @@ def test_kernels_run_on_the_current_stream() -> None:
     # stay within SPEC's 2e-2 relative of the float32 reference (dq: a backward's matmuls more).
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(dq.float(), ref_dq, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("mask_shape", "bias_shape"), OPERANDS)
+def test_eager_path_matches_the_ops(mask_shape, bias_shape) -> None:
+    """Eager CUDA calls run EagerAttention, torch.compile runs the ops: the same kernels, so
+    with a deterministic backward the outputs and gradients are bitwise equal."""
+    q, k, v, mask, bias = _inputs("cuda", mask_shape, bias_shape)
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    dout = torch.randn_like(q)
+    out, lse = flash_dmattn_func(
+        q, k, v, mask, bias, is_causal=True, deterministic=True, return_lse=True
+    )
+    assert type(out.grad_fn).__name__ == f"{EagerAttention.__name__}Backward"
+    grads = torch.autograd.grad(out, leaves, dout)
+    op_out, op_lse, stats = attention_fwd(q, k, v, mask, bias, *_flags(True, deterministic=True))
+    op_grads = attention_bwd(
+        dout, q, k, v, mask, bias, op_out, stats, *_flags(True, deterministic=True), True
+    )
+    assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
+    for got, want in zip(grads, op_grads, strict=False):
+        assert torch.equal(got, want)
