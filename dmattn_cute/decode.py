@@ -71,20 +71,21 @@ def packed_decode(
                 packed, k[:, keys], v[:, keys], *parts, softmax_scale=softmax_scale,
                 softcap=softcap, return_lse=True,
             )  # fmt: skip
-            outs.append(out.float())  # [B, group, Hkv, D]
-            lses.append(lse)  # [B, Hkv, group]
-    lse_parts = torch.stack(lses)
-    lse = torch.logsumexp(lse_parts, dim=0)
+            outs.append(out)
+            lses.append(lse)
+        outs, lses = torch.stack(outs, dim=1), torch.stack(lses, dim=1)
+    # outs [B, splits, group, Hkv, D], lses [B, splits, Hkv, group]: a few whole-tensor ops
+    lse = torch.logsumexp(lses, dim=1)
     # -inf - -inf: a chunk and the whole row without a visible key weigh 0
-    weights = torch.exp(lse_parts - lse).nan_to_num(0.0)
-    out = sum(w.transpose(1, 2)[..., None] * o for w, o in zip(weights, outs, strict=True))
+    weights = torch.exp(lses - lse[:, None]).nan_to_num_(0.0)
+    out = (weights.transpose(2, 3)[..., None] * outs).sum(dim=1)  # fp32 [B, group, Hkv, D]
     out = out.transpose(1, 2).reshape(batch, 1, heads, head_dim).to(q.dtype)
     return out, lse.reshape(batch, heads, 1)
 
 
 def _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits):
-    """The chunks' outputs [B, group, Hkv, D] and lses [B, Hkv, group], one list entry per
-    chunk, from one forward over B * splits batch entries: contiguous k, v viewed as
+    """The chunks' outputs [B, splits, group, Hkv, D] and lses [B, splits, Hkv, group] from
+    one forward over B * splits batch entries: contiguous k, v viewed as
     [B * splits, Sk / splits, Hkv, D]; the packed queries (tiny) and the mask/bias rows
     (the size of one key row per batch and head) copied into that batch order."""
     batch, group, heads_kv, head_dim = packed.shape
@@ -108,9 +109,10 @@ def _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits):
         queries, keys, values, rows(mask), rows(bias), softmax_scale=softmax_scale,
         softcap=softcap, return_lse=True,
     )  # fmt: skip
-    out = out.float().view(batch, splits, group, heads_kv, head_dim)
-    lse = lse.view(batch, splits, heads_kv, group)
-    return list(out.unbind(1)), list(lse.unbind(1))
+    return (
+        out.view(batch, splits, group, heads_kv, head_dim),
+        lse.view(batch, splits, heads_kv, group),
+    )
 
 
 __all__ = ["decode_splits", "packable", "packed_decode"]

@@ -11,7 +11,8 @@ that length (the last query sits at the last key). The mask and the bias are ind
 position: their key dim is the cache's length (or 1).
 
 This is the inference API: it runs without autograd. Today it runs the attention kernels over
-the whole cache length with the per-row lengths (and causal/window limits) as a boolean mask
+the whole cache length; unless every row fills the cache (an int cache_seqlens, or the
+default), the per-row lengths (and causal/window limits) become a boolean mask
 [B, 1, Sq, Sk_cache] combined with the caller's mask, so key blocks past a row's length are
 skipped whole; a paged cache (block_table) is first gathered into a contiguous copy. A
 split-KV decode kernel with per-row lengths and pages in the kernel is the next step (issue
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.decode import decode_splits, packable, packed_decode
+from dmattn_cute.kernels.bwd_launch import sm_count
 from dmattn_cute.problem import broadcast_view, check_bool, check_broadcast, check_window_size
 
 
@@ -93,7 +95,7 @@ def flash_dmattn_with_kvcache(
         )
     rows = None if pages is not None else _cache_rows(cache_batch_idx, batch, cache_rows, q.device)
     seqlen_new = _check_new(k, v, batch, heads_kv, head_dim, q)
-    lengths = _cache_lengths(cache_seqlens, batch, seqlen_cache, seqlen_new, q.device)
+    lengths, full = _cache_lengths(cache_seqlens, batch, seqlen_cache, seqlen_new, q.device)
     check_bool("is_causal", is_causal)
     check_bool("return_lse", return_lse)
     left, right = check_window_size(window_size)
@@ -123,9 +125,15 @@ def flash_dmattn_with_kvcache(
         else:
             keys = k_cache if rows is None else k_cache[rows]
             values = v_cache if rows is None else v_cache[rows]
-        mask = _visible(lengths + seqlen_new, seqlen_q, seqlen_cache, is_causal, left, right)
-        if attn_mask is not None:
-            mask = mask & (attn_mask.unsqueeze(2) if attn_mask.dim() == 3 else attn_mask)
+        mask = None if attn_mask is None else broadcast_view(attn_mask)
+        causal, window = is_causal, (left, right)
+        # Every row holds the whole cache (known on the host): the kernels' own bottom-right
+        # causal / window limits are the ones asked for, and one query per row limits nothing
+        # but a left window. Otherwise the lengths and limits become a mask.
+        if not full or (seqlen_q == 1 and left >= 0):
+            visible = _visible(lengths + seqlen_new, seqlen_q, seqlen_cache, is_causal, left, right)
+            mask = visible if mask is None else visible & mask
+            causal, window = False, (-1, -1)
         bias = None if attn_bias is None else broadcast_view(attn_bias)
         if packable(q, keys, (mask, bias)):
             # one query per row: the group's heads packed as rows, the keys split in chunks
@@ -133,16 +141,14 @@ def flash_dmattn_with_kvcache(
             out, lse = packed_decode(q, keys, values, mask, bias, softmax_scale, softcap, splits)
             return (out, lse) if return_lse else out
         return flash_dmattn_func(
-            q, keys, values, mask, attn_bias, softmax_scale=softmax_scale, softcap=softcap,
-            return_lse=return_lse,
+            q, keys, values, mask, attn_bias, softmax_scale=softmax_scale, is_causal=causal,
+            softcap=softcap, window_size=window, return_lse=return_lse,
         )  # fmt: skip
 
 
 def _sms(device: torch.device) -> int:
     """SMs of a CUDA device (a CPU run plans as for an H100)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
+    return sm_count(device, "sm_90a")
 
 
 def _cache_rows(
@@ -218,9 +224,10 @@ def _cache_lengths(
     seqlen_cache: int,
     seqlen_new: int,
     device: torch.device,
-) -> Tensor:
+) -> tuple[Tensor, bool]:
     """cache_seqlens as a long tensor [B], each length with room for the Snew new keys (a
-    tensor's values are read to check them: one device sync per call)."""
+    tensor's values are read to check them: one device sync per call), and whether every row
+    is known on the host to fill the cache once the new keys are in (an int length)."""
     if cache_seqlens is None:
         cache_seqlens = seqlen_cache - seqlen_new
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -241,7 +248,7 @@ def _cache_lengths(
             f"cache_seqlens: expected lengths in [0, Sk_cache - Snew] = [0, "
             f"{seqlen_cache - seqlen_new}], got {low}..{high}"
         )
-    return lengths
+    return lengths, isinstance(cache_seqlens, int) and low + seqlen_new == seqlen_cache
 
 
 def _visible(

@@ -126,6 +126,41 @@ def test_default_lengths_are_the_whole_cache(device):
     check_close("out", out, ref, lowp, q.dtype)
 
 
+FULL_CASES = {
+    "chunk-window-mask-bias": {"sq": 3, "snew": 3, "window_size": (8, 2), "mask": (3, 1, 40),
+                               "bias": (3, 2, 1, 40)},
+    "chunk-causal-query-bias": {"sq": 4, "snew": 2, "is_causal": True, "bias": (1, 4, 4, 40)},
+    "decode-left-window": {"sq": 1, "snew": 1, "window_size": (8, -1)},
+    "decode-causal-mask-bias": {"sq": 1, "snew": 1, "is_causal": True, "mask": (3, 2, 1, 40),
+                                "bias": (3, 2, 1, 40)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", FULL_CASES.values(), ids=FULL_CASES.keys())
+def test_int_lengths_that_fill_the_cache(case, device):
+    """An int cache_seqlens that fills every row: no lengths mask, the kernels' own causal /
+    window limits (one query per row: packed, a left window still as a mask)."""
+    data = make_cache(device)
+    q = data["q"](case["sq"])
+    k_new, v_new = data["new"](case["snew"])
+    k_cache, v_cache, gen = data["k_cache"], data["v_cache"], data["gen"]
+    mask = bias = None
+    if "mask" in case:
+        mask = torch.rand(case["mask"], generator=gen, device=device) < 0.6
+    if "bias" in case:
+        bias = torch.randn(case["bias"], generator=gen, device=device, dtype=q.dtype)
+    options = {key: case[key] for key in ("is_causal", "window_size") if key in case}
+    out, lse = flash_dmattn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=40 - case["snew"], attn_mask=mask,
+        attn_bias=bias, return_lse=True, **options,
+    )  # fmt: skip
+    assert torch.equal(k_cache[:, 40 - case["snew"] :], k_new)
+    ref, ref_lse, lowp = expected(q, k_cache, v_cache, range(3), [40] * 3, mask, bias, **options)
+    check_close("out", out, ref, lowp, q.dtype)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
+
+
 BAD_CALLS = {
     "k-without-v": ({"k": "new_k"}, ValueError, "k, v: expected both or neither"),
     "lengths-overflow": ({"k": "new_k", "v": "new_v", "cache_seqlens": 40}, ValueError,
