@@ -22,7 +22,8 @@ from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled, holds_kernels
 from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import mask_block_bits
+from .block_bits_launch import kernel_bits_view, mask_block_bits
+from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
 from .bwd import BwdScalars, BwdSpec, DbiasSpec
 from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view, stride_kinds
@@ -306,25 +307,42 @@ def flash_bwd(
     out: torch.Tensor,
     stats: torch.Tensor,
     bias_grad: bool,
+    block_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
 
     mask/bias are 4-D views (problem.broadcast_view); stats is the forward's [B, H, 2, Sq]
-    row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype.
+    row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype. block_mask: as
+    flash_fwd takes it (bits of the Hopper kernel's tiles, or expanded into the mask).
     """
     q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
-    mask_k, bias_k = operand_view(mask), operand_view(bias)
+    bias_k = operand_view(bias)
     arch = target_arch(q.device)
     sms = sm_count(q.device, arch)
-    key = (
-        problem, arch, hopper_kernels(arch), sms, _layout(mask_k), _layout(bias_k),
-        bias_grad and bias is not None and (bias.shape, bias.dtype),
-    )  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(problem, mask_k, bias_k, bias_grad, arch, sms)
+
+    def plan_of(mask_k):
+        key = (
+            problem, arch, hopper_kernels(arch), sms, _layout(mask_k), _layout(bias_k),
+            bias_grad and bias is not None and (bias.shape, bias.dtype),
+        )  # fmt: skip
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            plan = _PLANS[key] = _plan(problem, mask_k, bias_k, bias_grad, arch, sms)
+        return plan
+
+    blocks = None  # the block mask, where the kernel reads it as bits
+    if block_mask is not None:
+        joint = joint_mask(mask, block_mask, problem)
+        if joint is not None:
+            spec = plan_of(operand_view(joint)).spec
+            if isinstance(spec, Sm90BwdSpec) and tiles_nest(spec.tile.tile_m, spec.tile.tile_n):
+                blocks, mask_given, mask = block_mask, mask is not None, joint
+        if blocks is None:
+            mask = element_mask(mask, block_mask, problem)
+    mask_k = operand_view(mask)
+    plan = plan_of(mask_k)
     spec = plan.spec
 
     _check_vector_aligned("out", out)
@@ -347,7 +365,13 @@ def flash_bwd(
         bits = None
         if plan.bits_tile is not None:
             seqlens = (problem.seqlen_q, problem.seqlen_k)
-            bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
+            if blocks is None or mask_given:
+                bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
+            if blocks is not None:
+                from_blocks = block_bits(blocks, problem, *plan.bits_tile, mask_k.shape[1])
+                if mask_given:
+                    from_blocks = from_blocks & bits
+                bits = kernel_bits_view(from_blocks, -(-problem.seqlen_q // plan.bits_tile[0]))
         if spec.split_heads:  # fp32 partial sums of the CTAs that share a kv head
             dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
         else:
