@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dmattn_cute.block_mask import check_block_mask, with_block_mask
 from dmattn_cute.ops import EagerAttention, attention_fwd
 from dmattn_cute.problem import check_bool, check_problem
 
@@ -54,6 +55,8 @@ def flash_dmattn_func(
     window_size: tuple[int, int] = (-1, -1),
     deterministic: bool = False,
     return_lse: bool = False,
+    *,
+    block_mask: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Flash dynamic mask attention, the function SPEC.md defines.
 
@@ -63,7 +66,9 @@ def flash_dmattn_func(
     Km in {1, Sk}. Returns out [B, Sq, H, D] in query's dtype, and with return_lse also
     lse [B, H, Sq] float32 (natural log; not differentiable). Differentiable in query, key,
     value and attn_bias (dbias has attn_bias's shape and dtype).
-    Raises TypeError / ValueError on bad input before any work is done.
+    block_mask (keyword only, beyond SPEC.md): bool [Bm, Hm, Mq, Mk] of 128 x 128 (query,
+    key) blocks, ANDed with the rest (dmattn_cute/block_mask.py): a mask that long sequences
+    can hold. Raises TypeError / ValueError on bad input before any work is done.
     """
     problem = check_problem(
         query,
@@ -78,11 +83,23 @@ def flash_dmattn_func(
         deterministic,
     )
     check_bool("return_lse", return_lse)
+    if block_mask is not None:
+        check_block_mask(
+            block_mask, problem.batch, problem.num_heads, problem.num_heads_kv,
+            problem.seqlen_q, problem.seqlen_k, query.device,
+        )  # fmt: skip
     if attn_bias is not None:
         attn_bias = _storage_view(attn_bias)
     if _eager_cuda(query):
-        out, lse = EagerAttention.apply(problem, query, key, value, attn_mask, attn_bias)
+        out, lse = EagerAttention.apply(
+            problem, query, key, value, attn_mask, attn_bias, block_mask
+        )
         return (out, lse) if return_lse else out
+    if block_mask is not None:  # the ops take element masks
+        group = problem.num_heads // problem.num_heads_kv
+        attn_mask = with_block_mask(
+            attn_mask, block_mask, problem.seqlen_q, problem.seqlen_k, group
+        )
     out, lse, _ = attention_fwd(
         query,
         key,

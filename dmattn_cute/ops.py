@@ -204,14 +204,16 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class EagerAttention(torch.autograd.Function):
     """The eager CUDA path: flash_fwd and flash_bwd with the ops' autograd formula, for a
-    problem flash_dmattn_func has validated and described (check_problem)."""
+    problem flash_dmattn_func has validated and described (check_problem), and a block mask
+    (validated) or None."""
 
     @staticmethod
-    def forward(ctx, problem: Problem, query, key, value, attn_mask, attn_bias):
+    def forward(ctx, problem: Problem, query, key, value, attn_mask, attn_bias, block_mask):
         out, lse, stats = flash_fwd(
-            problem, query, key, value, broadcast_view(attn_mask), broadcast_view(attn_bias)
-        )
-        ctx.save_for_backward(query, key, value, attn_mask, attn_bias, out, stats)
+            problem, query, key, value, broadcast_view(attn_mask), broadcast_view(attn_bias),
+            block_mask=block_mask,
+        )  # fmt: skip
+        ctx.save_for_backward(query, key, value, attn_mask, attn_bias, block_mask, out, stats)
         ctx.problem = problem
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -219,13 +221,14 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: None) -> tuple[Tensor | None, ...]:
-        query, key, value, attn_mask, attn_bias, out, stats = ctx.saved_tensors
+        query, key, value, attn_mask, attn_bias, block_mask, out, stats = ctx.saved_tensors
         bias_grad = attn_bias is not None and ctx.needs_input_grad[5]
         dq, dk, dv, dbias = flash_bwd(
             ctx.problem, dout, query, key, value, broadcast_view(attn_mask),
-            broadcast_view(attn_bias), out, stats, bias_grad,
+            broadcast_view(attn_bias), out, stats, bias_grad, block_mask=block_mask,
         )  # fmt: skip
-        return None, dq, dk, dv, None, dbias.view(attn_bias.shape) if bias_grad else None
+        dbias = dbias.view(attn_bias.shape) if bias_grad else None
+        return None, dq, dk, dv, None, dbias, None
 
 
 __all__ = ["EagerAttention", "attention_bwd", "attention_fwd"]

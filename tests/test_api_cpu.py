@@ -161,10 +161,12 @@ def test_packed_qkv_slices():
 def test_package_exports():
     assert dmattn_cute.flash_dmattn_func is attention.flash_dmattn_func
     assert dmattn_cute.create_mask is dmattn_cute.masks.create_mask
+    assert dmattn_cute.create_block_mask is dmattn_cute.block_mask.create_block_mask
     assert dmattn_cute.flash_dmattn_with_kvcache is dmattn_cute.kvcache.flash_dmattn_with_kvcache
     assert dmattn_cute.flash_dmattn_varlen_func is dmattn_cute.varlen.flash_dmattn_varlen_func
     assert set(dmattn_cute.__all__) == {
         "flash_dmattn_func",
+        "create_block_mask",
         "create_mask",
         "flash_dmattn_varlen_func",
         "flash_dmattn_with_kvcache",

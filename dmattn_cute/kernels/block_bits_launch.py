@@ -91,22 +91,30 @@ def launch_block_bits(
     return out
 
 
+def kernel_bits_view(bits: torch.Tensor, m_blocks: int) -> torch.Tensor:
+    """Block bits [Bm', Hm', 1 or m_blocks, n_blocks] as the Hopper kernels index them, by
+    (batch, head // mask_head_div, query block, key block): [Bm', Hm', m_blocks, n_blocks]
+    with stride 0 on each size-1 batch, head or query-block dim."""
+    shape = (*bits.shape[:2], m_blocks, bits.shape[3])
+    strides = [0 if bits.shape[d] == 1 else bits.stride(d) for d in range(3)]
+    return bits.as_strided(shape, (*strides, bits.stride(3)))
+
+
 def mask_block_bits(
     mask: torch.Tensor, mask_spec: OperandSpec, seqlen_q: int, seqlen_k: int, tile: tuple[int, int],
     arch: str,
 ) -> torch.Tensor:  # fmt: skip
     """The block bits of a kernel's mask view, whose operand spec the kernel's variant was
-    picked by, for its (tile_m, tile_n) tiles; indexed like the mask: stride 0 on its broadcast
-    batch and head dims."""
+    picked by, for its (tile_m, tile_n) tiles, as the kernel indexes them (kernel_bits_view)."""
     bits = launch_block_bits(mask, BlockBitsSpec(mask_spec, *tile), seqlen_q, seqlen_k, arch)
-    strides = [0 if bits.shape[d] == 1 else bits.stride(d) for d in range(2)]
-    return bits.as_strided(bits.shape, (*strides, *bits.stride()[2:]))
+    return kernel_bits_view(bits, -(-seqlen_q // tile[0]))
 
 
 __all__ = [
     "block_bits",
     "block_bits_shape",
     "block_bits_spec",
+    "kernel_bits_view",
     "launch_block_bits",
     "mask_block_bits",
     "mask_view",

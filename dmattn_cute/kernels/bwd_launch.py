@@ -14,14 +14,16 @@ and cast (see kernels/bwd.py).
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import torch
 
 from ..jit.arch import hopper_kernels, target_arch
-from ..jit.cache import compiled
+from ..jit.cache import compiled, holds_kernels
 from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import mask_block_bits
+from .block_bits_launch import kernel_bits_view, mask_block_bits
+from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
 from .bwd import BwdScalars, BwdSpec, DbiasSpec
 from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view, stride_kinds
@@ -239,6 +241,61 @@ def bwd_preprocess(
     return dpsum
 
 
+class _BwdPlan(NamedTuple):
+    """What one backward call launches, shared by every call with the same problem, arch,
+    GPU size, mask/bias layouts and dbias request: the preprocess kernel, the variant's
+    kernel and scalars, and for the Hopper kernel its heads split, walk rotation and (with a
+    mask) the tile of its block-bits pre-pass."""
+
+    pre_kernel: Any
+    spec: BwdSpec | Sm90BwdSpec
+    kernel: Any
+    scalars: tuple
+    bits_tile: tuple[int, int] | None
+    splits: int
+    rotate: int
+    n_blocks: int
+
+
+# Plans by (problem, arch, kernel family choice, SMs, mask/bias layouts, dbias request);
+# cleared when full and with the kernels' memory cache (jit.cache.clear_memory).
+_PLANS: dict[tuple, _BwdPlan] = holds_kernels({})
+_PLANS_MAX = 256
+
+
+def _plan(
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bias_grad: bool,
+    arch: str,
+    sms: int,
+) -> _BwdPlan:
+    # the layout of the dbias buffer a call makes: on the meta device
+    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta")
+    spec = bwd_spec(problem, mask, bias, broadcast_view(dbias_buf), kind, fold, arch, sms)
+    pre_kernel = compiled(preprocess_spec(problem.dtype, problem.head_dim), arch)
+    scalars = kernel_scalars(BwdScalars, problem, mask, bias)
+    bits_tile, splits, rotate, n_blocks = None, 1, 0, 0
+    if isinstance(spec, Sm90BwdSpec):
+        tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
+        bits_tile = (tile_m, tile_n) if mask is not None else None
+        splits = head_splits(problem, tile_n, sms) if spec.split_heads else 1
+        # deterministic walks start at their own key block when every key block of a
+        # (batch, kv head) fits on the GPU at once and there are as many query blocks
+        m_blocks = -(-problem.seqlen_q // tile_m)
+        n_blocks = -(-problem.seqlen_k // tile_n)
+        rotate = int(spec.deterministic and n_blocks <= min(m_blocks, sms))
+    return _BwdPlan(
+        pre_kernel, spec, compiled(spec, arch), scalars, bits_tile, splits, rotate, n_blocks
+    )
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What a kernel view contributes to the variant (operand_spec) and to its block bits."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+
+
 def flash_bwd(
     problem: Problem,
     dout: torch.Tensor,
@@ -250,61 +307,91 @@ def flash_bwd(
     out: torch.Tensor,
     stats: torch.Tensor,
     bias_grad: bool,
+    block_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
 
     mask/bias are 4-D views (problem.broadcast_view); stats is the forward's [B, H, 2, Sq]
-    row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype.
+    row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype. block_mask: as
+    flash_fwd takes it (bits of the Hopper kernel's tiles, or expanded into the mask).
     """
     q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
-    mask_k, bias_k = operand_view(mask), operand_view(bias)
-    dpsum = bwd_preprocess(out, dout)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    kind, fold, dbias, dbias_buf = _dbias_buffers(problem, bias, bias_grad)
-    dbias_view = broadcast_view(dbias_buf)
-
+    bias_k = operand_view(bias)
     arch = target_arch(q.device)
     sms = sm_count(q.device, arch)
-    spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms)
+
+    def plan_of(mask_k):
+        key = (
+            problem, arch, hopper_kernels(arch), sms, _layout(mask_k), _layout(bias_k),
+            bias_grad and bias is not None and (bias.shape, bias.dtype),
+        )  # fmt: skip
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            plan = _PLANS[key] = _plan(problem, mask_k, bias_k, bias_grad, arch, sms)
+        return plan
+
+    blocks = None  # the block mask, where the kernel reads it as bits
+    if block_mask is not None:
+        joint = joint_mask(mask, block_mask, problem)
+        if joint is not None:
+            spec = plan_of(operand_view(joint)).spec
+            if isinstance(spec, Sm90BwdSpec) and tiles_nest(spec.tile.tile_m, spec.tile.tile_n):
+                blocks, mask_given, mask = block_mask, mask is not None, joint
+        if blocks is None:
+            mask = element_mask(mask, block_mask, problem)
+    mask_k = operand_view(mask)
+    plan = plan_of(mask_k)
+    spec = plan.spec
+
+    _check_vector_aligned("out", out)
+    _check_vector_aligned("dout", dout)
+    dpsum = torch.empty(
+        problem.batch, problem.num_heads, problem.seqlen_q, device=q.device, dtype=torch.float32
+    )
+    if dpsum.numel():
+        plan.pre_kernel(out, dout, dpsum)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kind, _, dbias, dbias_buf = _dbias_buffers(problem, bias, bias_grad)
+    dbias_view = broadcast_view(dbias_buf)
     sem = None
     if problem.deterministic:
         num_m = -(-problem.seqlen_q // spec.tile.tile_m)
         sem = torch.zeros(
             problem.batch, problem.num_heads, num_m, dtype=torch.int32, device=q.device
         )
-    kernel = compiled(spec, arch)
-    scalars = kernel_scalars(BwdScalars, problem, mask_k, bias_k)
     if isinstance(spec, Sm90BwdSpec):
         bits = None
-        if mask_k is not None:
-            tile = (spec.tile.tile_m, spec.tile.tile_n)
-            bits = mask_block_bits(
-                mask_k, spec.mask, problem.seqlen_q, problem.seqlen_k, tile, arch
-            )
-        splits = head_splits(problem, spec.tile.tile_n, sms) if spec.split_heads else 1
+        if plan.bits_tile is not None:
+            seqlens = (problem.seqlen_q, problem.seqlen_k)
+            if blocks is None or mask_given:
+                bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
+            if blocks is not None:
+                from_blocks = block_bits(blocks, problem, *plan.bits_tile, mask_k.shape[1])
+                if mask_given:
+                    from_blocks = from_blocks & bits
+                bits = kernel_bits_view(from_blocks, -(-problem.seqlen_q // plan.bits_tile[0]))
         if spec.split_heads:  # fp32 partial sums of the CTAs that share a kv head
             dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-        # deterministic walks start at their own key block when every key block of a
-        # (batch, kv head) fits on the GPU at once and there are as many query blocks
-        m_blocks = -(-problem.seqlen_q // spec.tile.tile_m)
-        n_blocks = -(-problem.seqlen_k // spec.tile.tile_n)
-        rotate = int(spec.deterministic and n_blocks <= min(m_blocks, sms))
+        else:
+            dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
         sem_kv = None  # deterministic split: the dK/dV partial sums' turns per key block
         if spec.deterministic and spec.split_heads:
             sem_kv = torch.zeros(
-                problem.batch, problem.num_heads_kv, n_blocks, dtype=torch.int32, device=q.device
-            )
-        kernel(
-            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, splits, rotate, mask_k, bias_k, bits,
-            dbias_view, sem, sem_kv, *scalars,
+                problem.batch, problem.num_heads_kv, plan.n_blocks, dtype=torch.int32,
+                device=q.device,
+            )  # fmt: skip
+        plan.kernel(
+            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, plan.splits, plan.rotate, mask_k,
+            bias_k, bits, dbias_view, sem, sem_kv, *plan.scalars,
         )  # fmt: skip
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     else:
-        kernel(
+        dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+        plan.kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
-            *scalars,
+            *plan.scalars,
         )  # fmt: skip
     if kind == "sum":
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)

@@ -16,7 +16,8 @@ from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled, holds_kernels
 from ..problem import Problem
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import block_bits_shape, block_bits_spec
+from .block_bits_launch import block_bits_shape, block_bits_spec, kernel_bits_view
+from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
 from .fwd import FwdScalars, FwdSpec
 from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view
 from .sm90.fwd import Sm90FwdSpec
@@ -83,6 +84,7 @@ class _FwdPlan(NamedTuple):
     scalars: tuple
     bits_kernel: Any
     bits_shape: tuple[int, ...] | None
+    bits_view_shape: tuple[int, ...] | None
     bits_strides: tuple[int, ...] | None
 
 
@@ -104,13 +106,27 @@ def _plan(
     spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch)
     scalars = kernel_scalars(FwdScalars, problem, mask, bias)
     if not isinstance(spec, Sm90FwdSpec) or mask is None:
-        return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None)
+        return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None)
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     bits_spec = BlockBitsSpec(mask_spec, tile_m, tile_n)
     shape = block_bits_shape(mask, problem.seqlen_q, problem.seqlen_k, tile_m, tile_n)
-    dense = torch.empty(shape, dtype=torch.uint8, device="meta").stride()
-    strides = tuple(0 if d < 2 and shape[d] == 1 else dense[d] for d in range(4))
-    return _FwdPlan(spec, compiled(spec, arch), scalars, compiled(bits_spec, arch), shape, strides)
+    view = kernel_bits_view(
+        torch.empty(shape, dtype=torch.uint8, device="meta"), -(-problem.seqlen_q // tile_m)
+    )
+    return _FwdPlan(
+        spec, compiled(spec, arch), scalars, compiled(bits_spec, arch), shape, view.shape,
+        view.stride(),
+    )  # fmt: skip
+
+
+def _plan_of(problem: Problem, mask, bias, arch: str) -> _FwdPlan:
+    key = (problem, arch, hopper_kernels(arch), _layout(mask), _layout(bias))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(problem, mask, bias, arch)
+    return plan
 
 
 def flash_fwd(
@@ -123,6 +139,7 @@ def flash_fwd(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
+    block_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on CUDA tensors; returns out [B, Sq, H, D], lse [B, H, Sq] fp32 and
     the backward's softmax stats [B, H, 2, Sq] fp32 (per row: the max score in accumulator
@@ -130,11 +147,23 @@ def flash_fwd(
     stores 0 as the max; see kernels/softmax.py).
 
     mask/bias are 4-D views (problem.broadcast_view); out/lse/stats may be given (e.g.
-    poisoned by tests) and are written in place.
+    poisoned by tests) and are written in place. block_mask: a validated block mask
+    (dmattn_cute/block_mask.py), read as block bits by the Hopper kernel where its tiles nest
+    in blocks, else expanded into the mask (kernels/block_mask_launch.py).
     """
     q, k, v = qkv_view(q), qkv_view(k), qkv_view(v)
-    mask, bias = operand_view(mask), operand_view(bias)
+    bias = operand_view(bias)
     arch = target_arch(q.device)
+    blocks = None  # the block mask, where the kernel reads it as bits
+    if block_mask is not None:
+        joint = joint_mask(mask, block_mask, problem) if hopper_kernels(arch) else None
+        if joint is not None:
+            tile = _plan_of(problem, operand_view(joint), bias, arch).spec.tile
+            if tiles_nest(tile.tile_m, tile.tile_n):
+                blocks, mask_given, mask = block_mask, mask is not None, joint
+        if blocks is None:
+            mask = element_mask(mask, block_mask, problem)
+    mask = operand_view(mask)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
@@ -146,16 +175,18 @@ def flash_fwd(
             problem.batch, problem.num_heads, 2, problem.seqlen_q, dtype=torch.float32,
             device=q.device,
         )  # fmt: skip
-    key = (problem, arch, hopper_kernels(arch), _layout(mask), _layout(bias))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(problem, mask, bias, arch)
+    plan = _plan_of(problem, mask, bias, arch)
     if plan.bits_kernel is not None:
-        bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
-        plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k)
-        bits = bits.as_strided(plan.bits_shape, plan.bits_strides)
+        if blocks is None or mask_given:
+            bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
+            plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k)
+        if blocks is None:
+            bits = bits.as_strided(plan.bits_view_shape, plan.bits_strides)
+        else:
+            tile_m, tile_n = plan.spec.tile.tile_m, plan.spec.tile.tile_n
+            from_blocks = block_bits(blocks, problem, tile_m, tile_n, mask.shape[1])
+            bits = from_blocks & bits if mask_given else from_blocks
+            bits = kernel_bits_view(bits, -(-problem.seqlen_q // tile_m))
         plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, *plan.scalars)
     elif isinstance(plan.spec, Sm90FwdSpec):
         plan.kernel(q, k, v, out, lse, stats, mask, bias, None, *plan.scalars)

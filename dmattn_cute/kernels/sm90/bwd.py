@@ -220,9 +220,7 @@ class Walk:
     rotated: cutlass.Int32  # 1: every CTA's walk starts at its key block (m_rotate = n_block)
     mask_head_div: cutlass.Int32
     bias_head_div: cutlass.Int32
-    mBits: cute.Tensor | None
-    # the mask has one row (Qm = 1): one bit per key block for every query block
-    bits_rows_shared: cutlass.Constexpr[bool]
+    mBits: cute.Tensor | None  # [B', H', query blocks, key blocks], stride 0 where broadcast
     segments: cutlass.Constexpr[int]
 
     @cute.jit
@@ -251,8 +249,7 @@ class Walk:
         mask."""
         bits = cutlass.Int32(VISIBLE | FULL)
         if cutlass.const_expr(self.mBits is not None):
-            row = 0 if cutlass.const_expr(self.bits_rows_shared) else m_block
-            bits = cutlass.Int32(self.mBits[self.b, h // self.mask_head_div, row, self.n_block])
+            bits = cutlass.Int32(self.mBits[self.b, h // self.mask_head_div, m_block, self.n_block])
         return bits
 
     @cute.jit
@@ -458,8 +455,7 @@ class FlashBwdSm90:
             b, hk, n_block, hk * group + (hk_split - hk * head_splits) * heads, heads,
             m_block_min, m_block_max, m_blocks, n_blocks, hk_split - hk * head_splits, m_rotate,
             rotate, mask_head_div,
-            bias_head_div, mBits, spec.mask is not None and spec.mask.row_broadcast,
-            2 if spec.deterministic else 1,
+            bias_head_div, mBits, 2 if spec.deterministic else 1,
         )  # fmt: skip
 
         # ---- shared memory and pipelines ----

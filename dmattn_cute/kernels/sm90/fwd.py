@@ -293,7 +293,7 @@ class FlashFwdSm90:
         n_block_min, n_block_max = limits.key_block_range(m_block)
         bits = None
         if cutlass.const_expr(spec.mask is not None):
-            bits = mBits[b, h // mask_head_div, 0 if spec.mask.row_broadcast else m_block, None]
+            bits = mBits[b, h // mask_head_div, m_block, None]  # stride 0 where broadcast
 
         # ---- shared memory and pipelines ----
         smem = tiles.allocate_smem(spec.smem_buffers())

@@ -1,0 +1,146 @@
+"""Long context with a block mask: forward + backward at S = 131072, causal, a trainable
+per-key bias, and each query block's top key blocks by that bias (issue 16's target: runs on
+one GPU), against FlexAttention with the same block mask where it runs.
+
+    python3 -m bench.long_context [--seqlen 131072] [--keep-blocks 16] [--out DIR]
+
+Reports the median ms of the block-mask build (create_block_mask), of the forward and of the
+forward + backward, the peak memory of a forward + backward beyond its inputs, and the
+executed fraction of the dense causal work (visible blocks over all blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+from dmattn_cute import create_block_mask, flash_dmattn_func
+from dmattn_cute.block_mask import BLOCK
+
+
+def median_ms(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def flex_runner(q, k, v, bias, block_mask):
+    """FlexAttention over the same visible blocks (a BlockMask from their indices: blocks
+    below the diagonal full, diagonal ones with the causal mask_mod) with the bias as a
+    score_mod."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    heads, group = q.shape[2], q.shape[2] // bias.shape[1]
+    m_blocks, n_blocks = block_mask.shape[2], block_mask.shape[3]
+    rows = torch.arange(m_blocks, device=q.device)[:, None]
+    cols = torch.arange(n_blocks, device=q.device)[None, :]
+    visible = block_mask.repeat_interleave(heads // block_mask.shape[1], 1) & (cols <= rows)
+
+    def indices(blocks):  # counts [1, H, Mq] and the listed blocks first, ascending
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+        return blocks.sum(-1).to(torch.int32), order.to(torch.int32)
+
+    def causal(b, h, q_idx, kv_idx):  # the blocks too: eager flex applies it everywhere
+        return visible[0, h, q_idx // BLOCK, kv_idx // BLOCK] & (kv_idx <= q_idx)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[0, h // group, kv_idx]
+
+    blocks = BlockMask.from_kv_blocks(
+        *indices(visible & (cols == rows)), *indices(visible & (cols < rows)),
+        BLOCK_SIZE=BLOCK, mask_mod=causal,
+    )  # fmt: skip
+    attend = torch.compile(flex_attention)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return lambda: attend(
+        qt, kt, vt, score_mod=score_mod, block_mask=blocks, enable_gqa=True
+    ).transpose(1, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlen", type=int, default=131072)
+    parser.add_argument("--keep-blocks", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--heads-kv", type=int, default=4)
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    s, h, hkv, d = args.seqlen, args.heads, args.heads_kv, 128
+    kw = {"device": "cuda", "dtype": torch.bfloat16}
+    q = torch.randn(1, s, h, d, **kw).requires_grad_()
+    k = torch.randn(1, s, hkv, d, **kw).requires_grad_()
+    v = torch.randn(1, s, hkv, d, **kw).requires_grad_()
+    bias = torch.randn(1, hkv, s, **kw).requires_grad_()
+    dout = torch.randn_like(q)
+
+    def build():
+        return create_block_mask(bias.detach(), args.keep_blocks, is_causal=True)
+
+    block_mask = build()
+    visible = block_mask.float().mean().item() * 2  # causal dense work is half the blocks
+
+    def forward():
+        with torch.no_grad():
+            flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, block_mask=block_mask)
+
+    def forward_backward():
+        out = flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, block_mask=block_mask)
+        torch.autograd.grad(out, (q, k, v, bias), dout)
+
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "seqlen": s,
+        "heads": h,
+        "heads_kv": hkv,
+        "keep_blocks": args.keep_blocks,
+        "executed_fraction_of_causal": visible,
+        "build_ms": median_ms(build),
+        "fwd_ms": median_ms(forward),
+        "fwdbwd_ms": median_ms(forward_backward),
+        "fwdbwd_peak_mib": peak_mib(forward_backward),
+    }
+    if not args.no_flex:
+        try:
+            run = flex_runner(q.detach(), k.detach(), v.detach(), bias.detach(), block_mask)
+            with torch.no_grad():
+                ours = flash_dmattn_func(
+                    q, k, v, attn_bias=bias, is_causal=True, block_mask=block_mask
+                )
+                theirs = run()
+                result["flex_rel_err"] = (
+                    (theirs - ours).float().norm() / ours.float().norm()
+                ).item()
+                result["flex_fwd_ms"] = median_ms(run)
+        except (RuntimeError, ImportError, ValueError) as err:  # reported: Flex may not fit
+            result["flex_fwd_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    print(json.dumps(result, indent=1))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "long_context.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

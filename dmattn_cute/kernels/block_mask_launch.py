@@ -1,0 +1,79 @@
+"""Host side of block masks (dmattn_cute/block_mask.py): what a launch gives a kernel for one.
+
+The Hopper kernels take a block mask as their block bits. Each kernel tile lies in one BLOCK x
+BLOCK block when its sizes divide BLOCK: a False block's tiles are skipped (bits 0), a True
+block's tiles need no mask tile (VISIBLE | FULL) unless attn_mask's own bits say otherwise
+(the two are ANDed) or they hold the tail of Sq or Sk (VISIBLE: the kernel reads the mask tile,
+which limits the tail). The kernel then reads a mask view next to the bits: attn_mask, or a
+key mask of Sk True bytes, widened by stride 0 to the block mask's batch and heads so that
+one head divisor indexes both. Everything else runs on the element mask (with_block_mask).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..block_mask import BLOCK, with_block_mask
+from ..problem import Problem, broadcast_view
+from .masking import FULL, VISIBLE
+
+
+def tiles_nest(tile_m: int, tile_n: int) -> bool:
+    """Whether every (tile_m, tile_n) tile lies in one block."""
+    return BLOCK % tile_m == 0 and BLOCK % tile_n == 0
+
+
+def joint_mask(
+    mask: torch.Tensor | None, block_mask: torch.Tensor, problem: Problem
+) -> torch.Tensor | None:
+    """The 4-D mask view a Hopper kernel reads next to a block mask's bits (see the module);
+    None when attn_mask is per kv head and the block mask per query head (a group's heads
+    would need bits of their own under one mask head)."""
+    if mask is None:
+        mask = torch.ones((1, 1, 1, problem.seqlen_k), dtype=torch.bool, device=block_mask.device)
+    heads = max(mask.shape[1], block_mask.shape[1])
+    if 1 < mask.shape[1] < heads:
+        return None
+    batch = max(mask.shape[0], block_mask.shape[0])
+    return broadcast_view(mask.expand(batch, heads, *mask.shape[2:]))
+
+
+def block_bits(
+    block_mask: torch.Tensor, problem: Problem, tile_m: int, tile_n: int, heads: int
+) -> torch.Tensor:
+    """uint8 [Bm, heads or 1, m_blocks or 1, n_blocks] bits of (tile_m, tile_n) tiles (which
+    nest in blocks, tiles_nest) from a block mask, its head dim widened to `heads` (the joint
+    mask's); one row for a query-broadcast block mask unless Sq has a tail tile."""
+    seqlen_q, seqlen_k = problem.seqlen_q, problem.seqlen_k
+    m_tiles, n_tiles = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    device = block_mask.device
+    rows = block_mask
+    q_tail = seqlen_q % tile_m != 0
+    if rows.shape[2] > 1 or q_tail:
+        index = torch.arange(m_tiles, device=device) * tile_m // BLOCK
+        rows = (
+            rows.index_select(2, index) if rows.shape[2] > 1 else rows.expand(-1, -1, m_tiles, -1)
+        )
+    cols = rows.index_select(3, torch.arange(n_tiles, device=device) * tile_n // BLOCK)
+    if 1 < cols.shape[1] < heads:
+        cols = cols.repeat_interleave(heads // cols.shape[1], 1)
+    bits = cols.to(torch.uint8) * (VISIBLE | FULL)
+    # a tail tile is never FULL: the kernel reads its mask tile, whose loads stop at Sq x Sk
+    if seqlen_k % tile_n:
+        bits[..., -1] &= VISIBLE
+    if q_tail:
+        bits[..., -1, :] &= VISIBLE
+    return bits
+
+
+def element_mask(
+    mask: torch.Tensor | None, block_mask: torch.Tensor, problem: Problem
+) -> torch.Tensor:
+    """attn_mask and the block mask as one materialized 4-D element mask view."""
+    group = problem.num_heads // problem.num_heads_kv
+    return broadcast_view(
+        with_block_mask(mask, block_mask, problem.seqlen_q, problem.seqlen_k, group)
+    )
+
+
+__all__ = ["block_bits", "element_mask", "joint_mask", "tiles_nest"]

@@ -1,0 +1,104 @@
+"""The backward launch's plan cache (kernels/bwd_launch.py), on the CPU: kernels are replaced
+by recorders, so what is checked is which variants and arguments a call launches, and when
+the plan behind them is made again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmattn_cute.jit import ARCH_ENV, KERNELS_ENV, cache
+from dmattn_cute.kernels import block_bits_launch, bwd_launch
+from dmattn_cute.kernels.block_bits import BlockBitsSpec
+from dmattn_cute.kernels.bwd import BwdSpec
+from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
+from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
+from dmattn_cute.problem import make_problem
+
+B, SQ, SK, H, HKV, D = 2, 300, 200, 4, 2, 64
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every compiled() request (spec) and every kernel call (spec, args), in order."""
+    monkeypatch.setenv(ARCH_ENV, "sm_90a")
+    cache.clear_memory()
+    record = {"compiled": [], "calls": []}
+
+    def compiled(spec, arch):
+        record["compiled"].append(spec)
+        return lambda *args: record["calls"].append((spec, args))
+
+    monkeypatch.setattr(bwd_launch, "compiled", compiled)
+    monkeypatch.setattr(block_bits_launch, "compiled", compiled)
+    yield record
+    cache.clear_memory()
+
+
+def backward(mask, bias, bias_grad=True, deterministic=False, heads_kv=HKV, batch=B):
+    q = torch.randn(batch, SQ, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, SK, heads_kv, D, dtype=torch.bfloat16) for _ in range(2))
+    problem, mask4, bias4 = make_problem(
+        q, k, v, mask, bias, None, False, 0.0, (-1, -1), deterministic
+    )
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    stats = torch.zeros(batch, H, 2, SQ)
+    return bwd_launch.flash_bwd(problem, dout, q, k, v, mask4, bias4, out, stats, bias_grad)
+
+
+def kernels(launches):
+    return [type(spec) for spec, _ in launches["calls"]]
+
+
+def test_same_layouts_reuse_the_plan(launches) -> None:
+    mask = torch.rand(B, HKV, SQ, SK) < 0.5
+    bias = torch.randn(B, HKV, 1, SK, dtype=torch.bfloat16)
+    backward(mask, bias)
+    compiled_once = list(launches["compiled"])
+    backward(mask.clone(), bias.clone())  # new tensors, same layouts
+    # one plan: the preprocess, the backward and (made per call) the block-bits pre-pass
+    assert [type(s) for s in compiled_once[:2]] == [BwdPreprocessSpec, Sm90BwdSpec]
+    assert launches["compiled"][3:] == [compiled_once[2]]  # only the pre-pass looked up again
+    once = [BwdPreprocessSpec, BlockBitsSpec, Sm90BwdSpec]
+    assert kernels(launches) == once * 2
+    # the second call's Hopper kernel: its own dpsum, written by its preprocess, and bits
+    pre, bits, main = (args for _, args in launches["calls"][3:])
+    assert main[5] is pre[2] and main[13].data_ptr() == bits[1].data_ptr()
+
+
+def test_another_dbias_request_makes_another_plan(launches) -> None:
+    bias = torch.randn(B, HKV, 1, SK, dtype=torch.bfloat16)
+    dq, dk, dv, dbias = backward(None, bias, bias_grad=False)
+    assert dbias is None
+    dq, dk, dv, dbias = backward(None, bias, bias_grad=True)
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+    plain, with_dbias = (s for s in launches["compiled"] if isinstance(s, Sm90BwdSpec))
+    assert plain.dbias is None and with_dbias.dbias is not None
+    assert (dq.shape, dk.shape, dv.shape) == ((B, SQ, H, D), (B, SK, HKV, D), (B, SK, HKV, D))
+
+
+def test_heads_split_and_deterministic_rotation(launches) -> None:
+    """B1 MQA: few CTAs, so the group's heads split (fp32 dk/dv partials); deterministic with
+    no more key blocks than query blocks: the walks rotate."""
+    backward(None, None, heads_kv=1, batch=1, deterministic=True)
+    (spec, args) = launches["calls"][-1]
+    assert isinstance(spec, Sm90BwdSpec) and spec.split_heads and spec.deterministic
+    splits, rotate = args[9], args[10]
+    assert splits == 4 and rotate == 1
+    assert args[7].dtype == torch.float32 and args[16] is not None  # dk partials, dK/dV turns
+
+
+def test_clearing_the_kernel_memory_clears_the_plans(launches) -> None:
+    backward(None, None)
+    cache.clear_memory()
+    backward(None, None)
+    assert [type(s) for s in launches["compiled"]] == [BwdPreprocessSpec, Sm90BwdSpec] * 2
+
+
+def test_the_kernels_setting_makes_another_plan(launches, monkeypatch) -> None:
+    """DMATTN_CUTE_KERNELS=mma_sync after a plan was made on sm_90a: the mma.sync backward
+    runs, not the remembered Hopper plan."""
+    backward(None, None)
+    monkeypatch.setenv(KERNELS_ENV, "mma_sync")
+    backward(None, None)
+    assert kernels(launches) == [BwdPreprocessSpec, Sm90BwdSpec, BwdPreprocessSpec, BwdSpec]
