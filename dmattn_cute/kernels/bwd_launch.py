@@ -336,7 +336,7 @@ def flash_bwd(
     if block_mask is not None:
         joint = joint_mask(mask, block_mask, problem)
         if joint is not None:
-            spec = plan_of(operand_view(joint)).spec
+            spec = backward_spec_of(problem, joint, bias, bias_grad, arch, q.device)
             if isinstance(spec, Sm90BwdSpec) and tiles_nest(spec.tile.tile_m, spec.tile.tile_n):
                 blocks, mask_given, mask = block_mask, mask is not None, joint
         if blocks is None:

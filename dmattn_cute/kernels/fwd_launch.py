@@ -158,7 +158,7 @@ def flash_fwd(
     if block_mask is not None:
         joint = joint_mask(mask, block_mask, problem) if hopper_kernels(arch) else None
         if joint is not None:
-            tile = _plan_of(problem, operand_view(joint), bias, arch).spec.tile
+            tile = fwd_spec(problem, operand_view(joint), bias, arch).tile  # nothing compiled
             if tiles_nest(tile.tile_m, tile.tile_n):
                 blocks, mask_given, mask = block_mask, mask is not None, joint
         if blocks is None:
