@@ -26,8 +26,10 @@ import math
 import torch
 from torch import Tensor
 
+from dmattn_cute.jit.arch import target_arch
 from dmattn_cute.kernels.bwd_launch import flash_bwd
 from dmattn_cute.kernels.fwd_launch import flash_fwd
+from dmattn_cute.kernels.paired_bits import paired_bits
 from dmattn_cute.problem import Problem, broadcast_view, check_device
 from dmattn_cute.reference import attention_ref, attention_ref_backward
 
@@ -209,10 +211,22 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, problem: Problem, query, key, value, attn_mask, attn_bias, block_mask):
+        mask, bias = broadcast_view(attn_mask), broadcast_view(attn_bias)
+        # With a mask and a backward to come: one block-bits pre-pass for both kernels.
+        bits = None
+        bias_grad = attn_bias is not None and ctx.needs_input_grad[5]
+        if (
+            mask is not None
+            and block_mask is None
+            and (any(ctx.needs_input_grad[1:4]) or bias_grad)
+        ):
+            arch = target_arch(query.device)
+            bits = paired_bits(problem, mask, bias, bias_grad, arch, query.device)
         out, lse, stats = flash_fwd(
-            problem, query, key, value, broadcast_view(attn_mask), broadcast_view(attn_bias),
-            block_mask=block_mask,
+            problem, query, key, value, mask, bias, block_mask=block_mask,
+            bits=None if bits is None else bits[0],
         )  # fmt: skip
+        ctx.bwd_bits = None if bits is None else bits[1]
         ctx.save_for_backward(query, key, value, attn_mask, attn_bias, block_mask, out, stats)
         ctx.problem = problem
         ctx.mark_non_differentiable(lse)
@@ -226,6 +240,7 @@ class EagerAttention(torch.autograd.Function):
         dq, dk, dv, dbias = flash_bwd(
             ctx.problem, dout, query, key, value, broadcast_view(attn_mask),
             broadcast_view(attn_bias), out, stats, bias_grad, block_mask=block_mask,
+            bits=ctx.bwd_bits,
         )  # fmt: skip
         dbias = dbias.view(attn_bias.shape) if bias_grad else None
         return None, dq, dk, dv, None, dbias, None

@@ -308,12 +308,15 @@ def flash_bwd(
     stats: torch.Tensor,
     bias_grad: bool,
     block_mask: torch.Tensor | None = None,
+    bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
 
     mask/bias are 4-D views (problem.broadcast_view); stats is the forward's [B, H, 2, Sq]
     row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype. block_mask: as
-    flash_fwd takes it (bits of the Hopper kernel's tiles, or expanded into the mask).
+    flash_fwd takes it (bits of the Hopper kernel's tiles, or expanded into the mask). bits:
+    the mask's block bits for this variant as its kernel reads them (kernels/paired_bits.py),
+    which the pre-pass then does not compute; only without a block mask.
     """
     q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
     bias_k = operand_view(bias)
@@ -361,11 +364,16 @@ def flash_bwd(
         sem = torch.zeros(
             problem.batch, problem.num_heads, num_m, dtype=torch.int32, device=q.device
         )
+    given, bits = bits, None
     if isinstance(spec, Sm90BwdSpec):
-        bits = None
         if plan.bits_tile is not None:
             seqlens = (problem.seqlen_q, problem.seqlen_k)
-            if blocks is None or mask_given:
+            tiles = tuple(-(-n // t) for n, t in zip(seqlens, plan.bits_tile, strict=True))
+            if given is not None:
+                if blocks is not None or tuple(given.shape[2:]) != tiles:
+                    raise ValueError(f"bits: expected {tiles} tiles, got {tuple(given.shape)}")
+                bits = given
+            elif blocks is None or mask_given:
                 bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
             if blocks is not None:
                 from_blocks = block_bits(blocks, problem, *plan.bits_tile, mask_k.shape[1])

@@ -140,6 +140,7 @@ def flash_fwd(
     lse: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
     block_mask: torch.Tensor | None = None,
+    bits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on CUDA tensors; returns out [B, Sq, H, D], lse [B, H, Sq] fp32 and
     the backward's softmax stats [B, H, 2, Sq] fp32 (per row: the max score in accumulator
@@ -149,7 +150,9 @@ def flash_fwd(
     mask/bias are 4-D views (problem.broadcast_view); out/lse/stats may be given (e.g.
     poisoned by tests) and are written in place. block_mask: a validated block mask
     (dmattn_cute/block_mask.py), read as block bits by the Hopper kernel where its tiles nest
-    in blocks, else expanded into the mask (kernels/block_mask_launch.py).
+    in blocks, else expanded into the mask (kernels/block_mask_launch.py). bits: the mask's
+    block bits as the pre-pass writes them for this variant (kernels/paired_bits.py), which
+    then does not run; only without a block mask.
     """
     q, k, v = qkv_view(q), qkv_view(k), qkv_view(v)
     bias = operand_view(bias)
@@ -177,7 +180,10 @@ def flash_fwd(
         )  # fmt: skip
     plan = _plan_of(problem, mask, bias, arch)
     if plan.bits_kernel is not None:
-        if blocks is None or mask_given:
+        if bits is not None:
+            if blocks is not None or tuple(bits.shape) != plan.bits_shape:
+                raise ValueError(f"bits: expected {plan.bits_shape}, got {tuple(bits.shape)}")
+        elif blocks is None or mask_given:
             bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
             plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k)
         if blocks is None:

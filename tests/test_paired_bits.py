@@ -1,0 +1,112 @@
+"""One block-bits pre-pass for a forward and its backward (kernels/paired_bits.py), on the CPU:
+the forward's bits derived from the backward's equal the pre-pass's definition at the
+forward's tiles, and with recorder kernels the pre-pass runs once for both launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmattn_cute.jit import ARCH_ENV, cache
+from dmattn_cute.kernels import block_bits_launch, bwd_launch, fwd_launch
+from dmattn_cute.kernels.block_bits import BlockBitsSpec
+from dmattn_cute.kernels.paired_bits import coarsen_bits, paired_bits
+from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
+from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
+from dmattn_cute.problem import make_problem
+from tests.test_block_bits_gpu import bits_ref
+from tests.utils import random_inputs
+
+
+@pytest.mark.parametrize("seqlen_q", [64, 100, 128, 300, 320, 448])
+@pytest.mark.parametrize("rows", ["full", "query-broadcast"])
+def test_coarsened_bits_are_the_bits_of_the_wider_tiles(seqlen_q, rows) -> None:
+    seqlen_k = 520
+    shape = (2, 3, seqlen_q if rows == "full" else 1, seqlen_k)
+    # 64 x 128 blocks, True or False, and a few single False elements: every kind of tile
+    mask = torch.rand(2, 3, shape[2] // 64 + 1, seqlen_k // 128 + 1) < 0.6
+    mask = mask.repeat_interleave(64, 2)[:, :, : shape[2]].repeat_interleave(128, 3)
+    mask = mask[..., :seqlen_k] & (torch.rand(shape) > 2e-5)
+    mask[:, :, :64, :128] = True  # at least one all-True 64 x 128 tile
+    narrow = bits_ref(mask, seqlen_q, seqlen_k, 64, 128)
+    wide = bits_ref(mask, seqlen_q, seqlen_k, 128, 128)
+    got = coarsen_bits(narrow, 2, -(-seqlen_q // 128), rows == "query-broadcast")
+    assert torch.equal(got, wide)
+    assert (narrow & 2).any() or rows == "query-broadcast"  # the test sees FULL tiles
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    monkeypatch.setenv(ARCH_ENV, "sm_90a")
+    cache.clear_memory()
+    calls = []
+
+    def compiled(spec, arch):
+        return lambda *args: calls.append((spec, args))
+
+    for module in (fwd_launch, bwd_launch, block_bits_launch):
+        monkeypatch.setattr(module, "compiled", compiled)
+    yield calls
+    cache.clear_memory()
+
+
+def test_one_pre_pass_serves_both_kernels(recorded) -> None:
+    q, k, v, mask, bias = random_inputs(
+        2, 300, 520, 4, 2, 128, torch.bfloat16, "cpu", mask_shape=(2, 2, 300, 520),
+        bias_shape=(2, 2, 1, 520),
+    )  # fmt: skip
+    problem, mask4, bias4 = make_problem(q, k, v, mask, bias, None, False, 0.0, (-1, -1), False)
+    forward_bits, backward_bits = paired_bits(problem, mask4, bias4, True, "sm_90a", q.device)
+    out, _, stats = fwd_launch.flash_fwd(problem, q, k, v, mask4, bias4, bits=forward_bits)
+    bwd_launch.flash_bwd(
+        problem, torch.randn_like(q), q, k, v, mask4, bias4, out, stats, True, bits=backward_bits
+    )
+    kinds = [type(spec) for spec, _ in recorded]
+    # the pre-pass (at the backward's 64-row tiles), the forward, the preprocess, the backward
+    assert kinds.count(BlockBitsSpec) == 1 and kinds[0] is BlockBitsSpec
+    (bits_spec, _), (fwd_spec, fwd_args) = recorded[0], recorded[1]
+    bwd_spec, bwd_args = recorded[-1]
+    assert isinstance(fwd_spec, Sm90FwdSpec) and isinstance(bwd_spec, Sm90BwdSpec)
+    assert (bits_spec.tile_m, bits_spec.tile_n) == (bwd_spec.tile.tile_m, bwd_spec.tile.tile_n)
+    assert fwd_args[8].data_ptr() == forward_bits.data_ptr() and bwd_args[13] is backward_bits
+    assert forward_bits.shape[2] == -(-300 // fwd_spec.tile.tile_m)
+
+
+def test_bits_of_another_tile_are_refused(recorded) -> None:
+    q, k, v, mask, _ = random_inputs(
+        1, 300, 520, 2, 2, 64, torch.bfloat16, "cpu", mask_shape=(1, 2, 300, 520)
+    )
+    problem, mask4, _ = make_problem(q, k, v, mask, None, None, False, 0.0, (-1, -1), False)
+    wrong = torch.zeros(1, 2, 5, 5, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bits: expected"):
+        fwd_launch.flash_fwd(problem, q, k, v, mask4, None, bits=wrong)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("seqlen_q", [300, 320])
+def test_eager_path_with_paired_bits_matches_the_ops(seqlen_q) -> None:
+    """On CUDA the eager path derives the forward's bits from the backward's; the ops run a
+    pre-pass per kernel. Deterministic: outputs and gradients are bitwise equal."""
+    from dmattn_cute import flash_dmattn_func
+    from dmattn_cute.ops import attention_bwd, attention_fwd
+
+    seqlen_k = 520
+    q, k, v, _, bias = random_inputs(
+        2, seqlen_q, seqlen_k, 4, 2, 128, torch.bfloat16, "cuda", bias_shape=(2, 4, 1, seqlen_k),
+        requires_grad=True,
+    )  # fmt: skip
+    blocks = torch.rand(2, 2, seqlen_q // 64 + 1, seqlen_k // 128 + 1, device="cuda") < 0.6
+    mask = blocks.repeat_interleave(64, 2)[:, :, :seqlen_q].repeat_interleave(128, 3)
+    mask = mask[..., :seqlen_k] & (torch.rand(2, 2, seqlen_q, seqlen_k, device="cuda") > 2e-5)
+    problem, mask4, bias4 = make_problem(q, k, v, mask, bias, None, False, 0.0, (-1, -1), True)
+    assert paired_bits(problem, mask4, bias4, True, "sm_90a", q.device) is not None  # paired
+    dout = torch.randn_like(q)
+    out = flash_dmattn_func(q, k, v, mask, bias, deterministic=True)
+    grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+    flags = (128**-0.5, False, 0.0, -1, -1, True)
+    op_out, _, stats = attention_fwd(q, k, v, mask, bias, *flags)
+    op_grads = attention_bwd(dout, q, k, v, mask, bias, op_out, stats, *flags, True)
+    assert torch.equal(out, op_out)
+    for got, want in zip(grads, op_grads, strict=True):
+        assert torch.equal(got, want)
