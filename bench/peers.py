@@ -40,6 +40,28 @@ def ours(x: Inputs) -> Candidates:
     )
 
 
+def ours_block_mask(x: Inputs) -> Candidates:
+    """Ours given the mask as 128 x 128 blocks (block_mask=, built outside the timing, as
+    FlexAttention's BlockMask is): no mask read, no block-bits pre-pass."""
+    from dmattn_cute import flash_dmattn_func
+
+    if x.blocks is None:
+        raise Unsupported("the mask is not made of 128 x 128 blocks")
+    yield (
+        "",
+        lambda: flash_dmattn_func(
+            x.q,
+            x.k,
+            x.v,
+            None,
+            x.bias,
+            is_causal=x.causal,
+            deterministic=x.deterministic,
+            block_mask=x.blocks,
+        ),
+    )
+
+
 def _peer(x: Inputs) -> None:
     """Raise Unsupported for what no peer runs: our deterministic mode."""
     if x.deterministic:
@@ -261,6 +283,7 @@ PEERS = {
     f.__name__: f
     for f in (
         ours,
+        ours_block_mask,
         ours_kvcache,
         ours_kvcache_graph,
         sdpa_flash,

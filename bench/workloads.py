@@ -6,8 +6,9 @@ Suites (bf16 unless said):
 - bias: a trainable bias [B, Hkv, 1, Sk] or [B, H, Sq, Sk] with its gradient, dense mask; bf16
   and fp16; and the same shape with no bias and with the [B, Hkv, 1, Sk] bias alone.
 - sparse: bias [B, Hkv, 1, Sk] and a mask of density 1.0/0.5/0.25/0.1/0.05, either random
-  blocks of 128 queries x 64 keys or the top-W keys of each query by the bias (flash-dmattn's
-  dynamic mask, W = density * Sk), causal and not.
+  blocks of 128 queries x 64 keys, random blocks of 128 x 128 (also given to ours as a block
+  mask, built outside the timing as FlexAttention's BlockMask is), or the top-W keys of each
+  query by the bias (flash-dmattn's dynamic mask, W = density * Sk), causal and not.
 - decode: Sq = 1, Sk 4k..512k, bias and a random 64-key block mask of density 0.25.
 - heads: no mask or bias, B1 H32 S4k D128 with 32, 8 and 1 kv heads (MHA, GQA, MQA), in
   default and in deterministic mode.
@@ -23,6 +24,7 @@ from torch import Tensor
 HEADS, HEADS_KV = 16, 4  # unless a workload says otherwise
 TOKENS = 16384  # batch * seqlen of the dense sweep
 BLOCK_Q, BLOCK_K = 128, 64  # random block masks: 128 queries x 64 keys
+BLOCK_SIZES = {"blocks": (BLOCK_Q, BLOCK_K), "blocks128": (128, 128)}
 DENSITIES = (1.0, 0.5, 0.25, 0.1, 0.05)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -102,7 +104,7 @@ def bias_suite() -> list[Workload]:
 def sparse_suite() -> list[Workload]:
     return [
         Workload("sparse", 2, 4096, 4096, 128, causal=causal, bias="key", mask=kind, density=p)
-        for kind in ("blocks", "topk")
+        for kind in ("blocks", "blocks128", "topk")
         for causal in (False, True)
         for p in DENSITIES
     ]
@@ -153,6 +155,7 @@ class Inputs:
     bias: Tensor | None  # [B, Hkv, 1, Sk] or [B, H, Sq, Sk]
     causal: bool
     deterministic: bool = False
+    blocks: Tensor | None = None  # "blocks128": the mask as 128 x 128 blocks [B, Hkv, Mq, Mk]
 
     @property
     def group(self) -> int:
@@ -164,15 +167,24 @@ class Inputs:
         return [t for t in (self.q, self.k, self.v, self.bias) if t is not None]
 
 
-def block_mask(w: Workload, device: str) -> Tensor:
-    """Random BLOCK_Q x BLOCK_K blocks, each visible w.p. density; in every query block one
-    key block (on the diagonal, or the last one for Sq < BLOCK_Q) stays visible."""
-    nq, nk = -(-w.seqlen_q // BLOCK_Q), -(-w.seqlen_k // BLOCK_K)
+def random_blocks(w: Workload, device: str) -> Tensor:
+    """bool [B, Hkv, Mq, Mk] of the workload's blocks (BLOCK_SIZES), each visible w.p.
+    density; in every query block one key block (on the diagonal, or the last one for Sq <
+    the block's queries) stays visible."""
+    block_q, block_k = BLOCK_SIZES[w.mask]
+    nq, nk = -(-w.seqlen_q // block_q), -(-w.seqlen_k // block_k)
     blocks = torch.rand(w.batch, w.heads_kv, nq, nk, device=device) < w.density
     rows = torch.arange(nq, device=device)
-    diagonal = torch.clamp((rows * BLOCK_Q + (w.seqlen_k - w.seqlen_q)) // BLOCK_K, 0, nk - 1)
+    diagonal = torch.clamp((rows * block_q + (w.seqlen_k - w.seqlen_q)) // block_k, 0, nk - 1)
     blocks[:, :, rows, diagonal] = True
-    mask = blocks.repeat_interleave(BLOCK_Q, 2).repeat_interleave(BLOCK_K, 3)
+    return blocks
+
+
+def block_mask(w: Workload, device: str, blocks: Tensor | None = None) -> Tensor:
+    """The element mask of random_blocks (or of `blocks`)."""
+    block_q, block_k = BLOCK_SIZES[w.mask]
+    blocks = random_blocks(w, device) if blocks is None else blocks
+    mask = blocks.repeat_interleave(block_q, 2).repeat_interleave(block_k, 3)
     return mask[:, :, : w.seqlen_q, : w.seqlen_k]
 
 
@@ -193,8 +205,11 @@ def make_inputs(w: Workload, device: str = "cuda", grad: bool = False) -> Inputs
     shape = (w.batch, w.heads_kv, w.seqlen_q, w.seqlen_k)
     if w.mask == "dense":
         mask = torch.ones(shape, dtype=torch.bool, device=device)
-    elif w.mask == "blocks":
-        mask = block_mask(w, device)
+    blocks = None
+    if w.mask == "blocks128":
+        blocks = random_blocks(w, device)
+    if w.mask in BLOCK_SIZES:
+        mask = block_mask(w, device, blocks)
     elif w.mask == "topk":
         if w.bias != "key":
             raise ValueError(f"{w.name}: top-k masks are built from a per-key bias")
@@ -204,7 +219,7 @@ def make_inputs(w: Workload, device: str = "cuda", grad: bool = False) -> Inputs
     for t in (q, k, v, bias):
         if t is not None:
             t.requires_grad_(grad)
-    return Inputs(q, k, v, mask, bias, w.causal, w.deterministic)
+    return Inputs(q, k, v, mask, bias, w.causal, w.deterministic, blocks)
 
 
 __all__ = ["SUITES", "Inputs", "Workload", "make_inputs", "quick_workloads"]

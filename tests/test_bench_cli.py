@@ -51,7 +51,7 @@ def test_suites_cover_the_issue() -> None:
     assert {(w.bias, w.mask) for w in bias if w.mask is None} == {(None, None), ("key", None)}
     sparse = SUITES["sparse"]()
     assert {(w.mask, w.density) for w in sparse} == {
-        (kind, p) for kind in ("blocks", "topk") for p in (1.0, 0.5, 0.25, 0.1, 0.05)
+        (kind, p) for kind in ("blocks", "blocks128", "topk") for p in (1.0, 0.5, 0.25, 0.1, 0.05)
     }
     assert {w.seqlen_q for w in SUITES["decode"]()} == {1}
 
@@ -69,6 +69,22 @@ def test_block_mask_inputs() -> None:
     assert torch.equal(blocks.any(5).any(3), blocks.all(5).all(3))
     assert blocks.any(5).any(3).any(3).all()
     assert x.bias.shape == (2, HEADS_KV, 1, 320)
+
+
+def test_block_mask_128_inputs_carry_their_blocks() -> None:
+    """blocks128: the element mask is the blocks repeated, and ours_block_mask (the blocks as
+    block_mask=) computes what ours computes with the element mask."""
+    w = _small("blocks128", 0.4, causal=True, sq=300, sk=520)
+    x = make_inputs(w, "cpu")
+    assert x.blocks.shape == (2, HEADS_KV, 3, 5)
+    expanded = x.blocks.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :300, :520]
+    assert torch.equal(x.mask, expanded)
+    (_, ours_call), = peers.ours(x)  # fmt: skip
+    (_, blocks_call), = peers.ours_block_mask(x)  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(blocks_call(), ours_call())
+    with pytest.raises(peers.Unsupported, match="128 x 128 blocks"):
+        next(peers.ours_block_mask(make_inputs(_small("blocks", 0.4), "cpu")))
 
 
 def test_topk_mask_inputs() -> None:
