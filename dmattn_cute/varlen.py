@@ -15,9 +15,10 @@ its own bottom-right corner). A mask or a bias is given either
   over that sequence: [Hm, Qm, Km] (Qm in 1, Sq_i; Km in 1, Sk_i) or [Hm, Km].
 
 Differentiable in q, k, v and the bias (dbias in the bias's shape and dtype). Today it runs
-flash_dmattn_func once per sequence on views of the packed tensors (nothing is padded or
-copied), so many short sequences cost one launch each; a kernel that walks cu_seqlens itself
-is the next step (issue 16).
+flash_dmattn_func once per run of consecutive sequences of equal lengths (one batched call on
+views of the packed tensors: nothing is padded or copied), so sequences of many different
+lengths cost one launch each; a kernel that walks cu_seqlens itself is the next step (issue
+16).
 """
 
 from __future__ import annotations
@@ -92,27 +93,59 @@ def flash_dmattn_varlen_func(
                 raise type(err)(f"sequence {i}: {err}") from err
 
     outs, lses = [], []
-    for q_i, k_i, v_i, mask_i, bias_i in pieces:
-        if q_i.shape[0] == 0:
+    for first, last in _runs(seqlens_q, seqlens_k, attn_mask, attn_bias):
+        rows_q = slice(sum(seqlens_q[:first]), sum(seqlens_q[: last + 1]))
+        count, len_q, len_k = last + 1 - first, seqlens_q[first], seqlens_k[first]
+        if len_q == 0:
             continue
-        if k_i.shape[0] == 0:  # no key: out 0, lse -inf (and no gradient flows)
-            outs.append(torch.zeros_like(q_i))
-            lses.append(
-                q_i.new_full((q.shape[1], q_i.shape[0]), float("-inf"), dtype=torch.float32)
-            )
+        if len_k == 0:  # no key: out 0, lse -inf (and no gradient flows)
+            outs.append(torch.zeros_like(q[rows_q]))
+            lses.append(q.new_full((q.shape[1], count * len_q), float("-inf"), dtype=torch.float32))
             continue
+        rows_k = slice(sum(seqlens_k[:first]), sum(seqlens_k[: last + 1]))
+        batch = (q[rows_q].unflatten(0, (count, len_q)),
+                 *(t[rows_k].unflatten(0, (count, len_k)) for t in (k, v)))  # fmt: skip
         out_i, lse_i = flash_dmattn_func(
-            q_i[None], k_i[None], v_i[None], _batch(mask_i), _batch(bias_i),
+            *batch, _run_operand(attn_mask, masks, first, count, rows_k, len_k),
+            _run_operand(attn_bias, biases, first, count, rows_k, len_k),
             softmax_scale=softmax_scale, is_causal=is_causal, softcap=softcap,
             window_size=window_size, deterministic=deterministic, return_lse=True,
         )  # fmt: skip
-        outs.append(out_i[0])
-        lses.append(lse_i[0])
+        outs.append(out_i.flatten(0, 1))
+        lses.append(lse_i.transpose(0, 1).flatten(1, 2))  # [N, H, Sq] -> [H, N * Sq]
     out = torch.cat(outs) if outs else q.new_zeros(q.shape)
     if not return_lse:
         return out
     lse = torch.cat(lses, dim=1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
     return out, lse
+
+
+def _runs(
+    seqlens_q: list[int], seqlens_k: list[int], attn_mask: Operand, attn_bias: Operand
+) -> list[tuple[int, int]]:
+    """[first, last] of each run of consecutive sequences that one batched call computes: equal
+    (Sq, Sk) and operands given per key token (or not at all); a per-sequence list keeps each
+    sequence on its own."""
+    grouped = not isinstance(attn_mask, (list, tuple)) and not isinstance(attn_bias, (list, tuple))
+    runs: list[tuple[int, int]] = []
+    for i, lengths in enumerate(zip(seqlens_q, seqlens_k, strict=True)):
+        if grouped and runs and (seqlens_q[runs[-1][0]], seqlens_k[runs[-1][0]]) == lengths:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def _run_operand(
+    operand: Operand, pieces: list, first: int, count: int, rows_k: slice, len_k: int
+) -> Tensor | None:
+    """A run's mask or bias with its batch dim: a per-key-token [Hm, total_k] tensor's keys of
+    the run as [count, Hm, Sk] (a view), or the sequence's own operand (runs of one)."""
+    if operand is None:
+        return None
+    if isinstance(operand, Tensor):
+        return operand[:, rows_k].unflatten(1, (count, len_k)).transpose(0, 1)
+    return _batch(pieces[first])
 
 
 def _batch(t: Tensor | None) -> Tensor | None:

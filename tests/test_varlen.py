@@ -1,6 +1,6 @@
 """flash_dmattn_varlen_func: each packed sequence attends only to itself, equal to the reference
 run on that sequence alone (outputs, lse and the gradients of q, k, v and the bias), with the
-mask and bias per key token or per sequence. On CPU (the reference path) and, marked gpu, on
+mask and bias per key token or per sequence, and runs of equal lengths batched into one call. On CPU (the reference path) and, marked gpu, on
 CUDA (the kernels)."""
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ CASES = {
                               "seq_bias": True},
     "empty-and-keyless-sequences": {"lens_q": [4, 0, 3, 5], "lens_k": [6, 3, 0, 5],
                                     "is_causal": True},
+    "runs-of-equal-lengths": {"lens_q": [8, 8, 8, 5, 5, 3], "lens_k": [8, 8, 8, 5, 5, 7],
+                              "key_mask": True, "key_bias": True, "is_causal": True},
+    "runs-empty-and-keyless": {"lens_q": [0, 0, 4, 4, 6, 6], "lens_k": [3, 3, 0, 0, 9, 9]},
+    "runs-per-sequence-operands": {"lens_q": [6, 6, 6], "lens_k": [9, 9, 9], "seq_bias": True},
 }  # fmt: skip
 
 
@@ -143,3 +147,27 @@ def test_bad_input_raises(bad):
             q, k, v, args["cu_q"], args["cu_k"], args["max_q"], args["max_k"],
             attn_bias=args["bias"],
         )  # fmt: skip
+
+
+def test_runs_of_equal_lengths_are_one_call(monkeypatch):
+    """Consecutive sequences of equal (Sq, Sk) run as one batched call; per-sequence operands
+    keep one call per sequence."""
+    from dmattn_cute import varlen
+
+    calls = []
+    real = varlen.flash_dmattn_func
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(varlen, "flash_dmattn_func", counted)
+    lens = [8, 8, 8, 5, 5, 3]
+    q, k, v, cu_q, cu_k, _ = packed("cpu", lens, lens)
+    bias = torch.randn(H, sum(lens), dtype=q.dtype)
+    flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, attn_bias=bias)
+    assert calls == [3, 2, 1]
+    calls.clear()
+    per_sequence = list(bias.split(lens, dim=1))
+    flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, attn_bias=per_sequence)
+    assert calls == [1] * 6
