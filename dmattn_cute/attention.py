@@ -92,8 +92,9 @@ def flash_dmattn_func(
         attn_bias = _storage_view(attn_bias)
     if _eager_cuda(query):
         out, lse = EagerAttention.apply(
-            problem, query, key, value, attn_mask, attn_bias, block_mask
-        )
+            problem, query, key, value, attn_mask, attn_bias, block_mask,
+            torch.is_grad_enabled(),
+        )  # fmt: skip
         return (out, lse) if return_lse else out
     if block_mask is not None:  # the ops take element masks
         group = problem.num_heads // problem.num_heads_kv

@@ -210,13 +210,17 @@ class EagerAttention(torch.autograd.Function):
     (validated) or None."""
 
     @staticmethod
-    def forward(ctx, problem: Problem, query, key, value, attn_mask, attn_bias, block_mask):
+    def forward(
+        ctx, problem: Problem, query, key, value, attn_mask, attn_bias, block_mask, recorded
+    ):
         mask, bias = broadcast_view(attn_mask), broadcast_view(attn_bias)
-        # With a mask and a backward to come: one block-bits pre-pass for both kernels.
+        # With a mask and a backward to come (`recorded`: grad mode was on at the call, and
+        # forward runs with it off): one block-bits pre-pass for both kernels.
         bits = None
         bias_grad = attn_bias is not None and ctx.needs_input_grad[5]
         if (
-            mask is not None
+            recorded
+            and mask is not None
             and block_mask is None
             and (any(ctx.needs_input_grad[1:4]) or bias_grad)
         ):
@@ -243,7 +247,7 @@ class EagerAttention(torch.autograd.Function):
             bits=ctx.bwd_bits,
         )  # fmt: skip
         dbias = dbias.view(attn_bias.shape) if bias_grad else None
-        return None, dq, dk, dv, None, dbias, None
+        return None, dq, dk, dv, None, dbias, None, None
 
 
 __all__ = ["EagerAttention", "attention_bwd", "attention_fwd"]

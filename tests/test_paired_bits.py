@@ -110,3 +110,23 @@ def test_eager_path_with_paired_bits_matches_the_ops(seqlen_q) -> None:
     assert torch.equal(out, op_out)
     for got, want in zip(grads, op_grads, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_no_grad_calls_pair_nothing(monkeypatch) -> None:
+    """Under torch.no_grad no backward follows: the forward runs its own pre-pass (the
+    autograd.Function still reports needs_input_grad there; the call's grad mode decides)."""
+    from dmattn_cute import flash_dmattn_func, ops
+
+    def refuse(*args):
+        raise AssertionError("paired bits under no_grad")
+
+    monkeypatch.setattr(ops, "paired_bits", refuse)
+    q, k, v, mask, _ = random_inputs(
+        1, 300, 520, 2, 2, 64, torch.bfloat16, "cuda", mask_shape=(1, 2, 300, 520),
+        requires_grad=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        out = flash_dmattn_func(q, k, v, mask)
+    assert out.isfinite().all()
