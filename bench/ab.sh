@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# A/B timing in one device call: the benchmark with the same arguments in this tree and in
+# every exported branch tree under .branches/ (see branches.sh), one after the other on the
+# same GPU. Results go to $OUT/ab_<tree>/ (or /tmp/dmattn-out).
+#   source .device/activate.sh && bash bench/ab.sh --suites bias --modes fwdbwd --impls ours \
+#       --only 'bias key mask dense$'
+set -uo pipefail
+out="${OUT:-/tmp/dmattn-out}"; mkdir -p "$out"
+root="$(pwd)"
+[ -d /tmp/fa4/flash_attn ] || { mkdir -p /tmp/fa4 && tar -xJf .fa4/fa4.tar.xz -C /tmp/fa4; }
+status=0
+for dir in "$root" "$root"/.branches/*/; do
+  [ -d "$dir" ] || continue
+  name="$(basename "$dir")"; [ "$dir" = "$root" ] && name=root
+  echo "== $name"
+  (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}:/tmp/fa4" python3 -m bench.run \
+    --out "$out/ab_$name" "$@" 2>&1) | tee "$out/ab_$name.log" | grep -E "^[a-z]+ +(fwd|bwd)"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+done
+exit "$status"
