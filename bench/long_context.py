@@ -4,9 +4,10 @@ one GPU), against FlexAttention with the same block mask where it runs.
 
     python3 -m bench.long_context [--seqlen 131072] [--keep-blocks 16] [--out DIR]
 
-Reports the median ms of the block-mask build (create_block_mask), of the forward and of the
-forward + backward, the peak memory of a forward + backward beyond its inputs, and the
-executed fraction of the dense causal work (visible blocks over all blocks).
+Reports the median ms (bench.run.events_median) of the block-mask build (create_block_mask),
+of the forward and of the forward + backward, the peak memory of a forward + backward beyond
+its inputs (bench.run.peak_mib), and the executed fraction of the dense causal work (visible
+blocks over all blocks).
 """
 
 from __future__ import annotations
@@ -14,34 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
+from bench.run import events_median, peak_mib
 from dmattn_cute import create_block_mask, flash_dmattn_func
 from dmattn_cute.block_mask import BLOCK
-
-
-def median_ms(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def peak_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def flex_runner(q, k, v, bias, block_mask):
@@ -116,9 +95,9 @@ def main() -> None:
         "heads_kv": hkv,
         "keep_blocks": args.keep_blocks,
         "executed_fraction_of_causal": visible,
-        "build_ms": median_ms(build),
-        "fwd_ms": median_ms(forward),
-        "fwdbwd_ms": median_ms(forward_backward),
+        "build_ms": events_median(build),
+        "fwd_ms": events_median(forward),
+        "fwdbwd_ms": events_median(forward_backward),
         "fwdbwd_peak_mib": peak_mib(forward_backward),
     }
     if not args.no_flex:
@@ -132,7 +111,7 @@ def main() -> None:
                 result["flex_rel_err"] = (
                     (theirs - ours).float().norm() / ours.float().norm()
                 ).item()
-                result["flex_fwd_ms"] = median_ms(run)
+                result["flex_fwd_ms"] = events_median(run)
         except (RuntimeError, ImportError, ValueError) as err:  # reported: Flex may not fit
             result["flex_fwd_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     print(json.dumps(result, indent=1))

@@ -46,3 +46,25 @@ def _seed_per_test(request: pytest.FixtureRequest) -> None:
     """Every test draws its own inputs (a seed from its node id: fresh per test, the same on
     every run), so a failure reproduces and no test depends on the tests run before it."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch):
+    """The launch code's kernels replaced by recorders, on sm_90a (CPU tensors): every
+    compiled() request ("compiled": specs) and every kernel call ("calls": (spec, args)), in
+    order, of the forward, the backward and the block-bits pre-pass."""
+    from dmattn_cute.jit import ARCH_ENV, cache
+    from dmattn_cute.kernels import block_bits_launch, bwd_launch, fwd_launch
+
+    monkeypatch.setenv(ARCH_ENV, "sm_90a")
+    cache.clear_memory()
+    record = {"compiled": [], "calls": []}
+
+    def compiled(spec, arch):
+        record["compiled"].append(spec)
+        return lambda *args: record["calls"].append((spec, args))
+
+    for module in (fwd_launch, bwd_launch, block_bits_launch):
+        monkeypatch.setattr(module, "compiled", compiled)
+    yield record
+    cache.clear_memory()

@@ -207,26 +207,6 @@ def test_joint_mask_widens_by_stride_0_or_declines() -> None:
     assert joint_mask(per_kv_head, block_mask[:, :2], problem).shape == (2, 2, 300, 520)
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """The launches of flash_fwd / flash_bwd on sm_90a with recorder kernels (CPU tensors):
-    every kernel call as (spec, args)."""
-    from dmattn_cute.jit import ARCH_ENV, cache
-    from dmattn_cute.kernels import block_bits_launch, bwd_launch, fwd_launch
-
-    monkeypatch.setenv(ARCH_ENV, "sm_90a")
-    cache.clear_memory()
-    calls = []
-
-    def compiled(spec, arch):
-        return lambda *args: calls.append((spec, args))
-
-    for module in (fwd_launch, bwd_launch, block_bits_launch):
-        monkeypatch.setattr(module, "compiled", compiled)
-    yield calls
-    cache.clear_memory()
-
-
 def _launch(head_dim, mask, block_mask, backward=False):
     from dmattn_cute.kernels.bwd_launch import flash_bwd
     from dmattn_cute.kernels.fwd_launch import flash_fwd
@@ -241,13 +221,13 @@ def _launch(head_dim, mask, block_mask, backward=False):
     return problem, flash_bwd(*args, block_mask=block_mask)
 
 
-def test_forward_reads_the_block_mask_as_bits(recorded) -> None:
+def test_forward_reads_the_block_mask_as_bits(launches) -> None:
     from dmattn_cute.kernels.block_bits_launch import kernel_bits_view
     from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 
     block_mask = random_block_mask((2, 4, 3, 5), 0.5, "cpu")
     problem, _ = _launch(64, None, block_mask)
-    ((spec, args),) = recorded  # no pre-pass: there is no attn_mask to read
+    ((spec, args),) = launches["calls"]  # no pre-pass: there is no attn_mask to read
     assert isinstance(spec, Sm90FwdSpec)
     mask, bits = args[6], args[8]
     assert mask.shape == (2, 4, 1, 520) and mask.stride()[:3] == (0, 0, 0) and mask.all()
@@ -256,24 +236,24 @@ def test_forward_reads_the_block_mask_as_bits(recorded) -> None:
     assert torch.equal(bits, want)
 
 
-def test_wide_key_tiles_run_on_the_element_mask(recorded) -> None:
+def test_wide_key_tiles_run_on_the_element_mask(launches) -> None:
     """D256's forward with the key mask a block mask pairs with has 80-key tiles, which
     straddle blocks: the block mask is expanded into an element mask instead."""
     block_mask = random_block_mask((2, 4, 3, 5), 0.5, "cpu")
     _launch(256, None, block_mask)
-    (_, pre_args), (_, args) = recorded  # the pre-pass of the element mask, the forward
+    (_, pre_args), (_, args) = launches["calls"]  # the pre-pass of the element mask, the forward
     assert args[6].shape == (2, 4, 300, 520)
     assert torch.equal(args[6].bool(), element_mask(block_mask, 300, 520))
     assert pre_args[0] is args[6]
 
 
-def test_backward_ands_the_mask_bits_with_the_block_bits(recorded) -> None:
+def test_backward_ands_the_mask_bits_with_the_block_bits(launches) -> None:
     from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 
     mask = torch.rand(1, 1, 300, 520) < 0.5
     block_mask = random_block_mask((2, 1, 3, 5), 0.5, "cpu")
     _launch(128, mask, block_mask, backward=True)
-    _, bits_pass, (spec, args) = recorded  # preprocess, the mask's pre-pass, the backward
+    _, bits_pass, (spec, args) = launches["calls"]  # preprocess, the mask's pre-pass, the backward
     assert isinstance(spec, Sm90BwdSpec)
     joint = args[11]
     assert joint.shape == (2, 1, 300, 520) and joint.stride()[0] == 0  # mask widened to B

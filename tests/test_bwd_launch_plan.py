@@ -4,11 +4,10 @@ the plan behind them is made again."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from dmattn_cute.jit import ARCH_ENV, KERNELS_ENV, cache
-from dmattn_cute.kernels import block_bits_launch, bwd_launch
+from dmattn_cute.jit import KERNELS_ENV, cache
+from dmattn_cute.kernels import bwd_launch
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
 from dmattn_cute.kernels.bwd import BwdSpec
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
@@ -16,23 +15,6 @@ from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import make_problem
 
 B, SQ, SK, H, HKV, D = 2, 300, 200, 4, 2, 64
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Every compiled() request (spec) and every kernel call (spec, args), in order."""
-    monkeypatch.setenv(ARCH_ENV, "sm_90a")
-    cache.clear_memory()
-    record = {"compiled": [], "calls": []}
-
-    def compiled(spec, arch):
-        record["compiled"].append(spec)
-        return lambda *args: record["calls"].append((spec, args))
-
-    monkeypatch.setattr(bwd_launch, "compiled", compiled)
-    monkeypatch.setattr(block_bits_launch, "compiled", compiled)
-    yield record
-    cache.clear_memory()
 
 
 def backward(mask, bias, bias_grad=True, deterministic=False, heads_kv=HKV, batch=B):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmattn_cute.jit import ARCH_ENV, KERNELS_ENV, cache
+from dmattn_cute.jit import KERNELS_ENV, cache
 from dmattn_cute.kernels import fwd_launch
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
 from dmattn_cute.kernels.fwd import FwdSpec
@@ -15,22 +15,6 @@ from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 from dmattn_cute.problem import make_problem
 
 B, SQ, SK, H, HKV, D = 2, 300, 200, 4, 2, 64
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Every compiled() request (spec) and every kernel call (spec, args), in order."""
-    monkeypatch.setenv(ARCH_ENV, "sm_90a")
-    cache.clear_memory()
-    record = {"compiled": [], "calls": []}
-
-    def compiled(spec, arch):
-        record["compiled"].append(spec)
-        return lambda *args: record["calls"].append((spec, args))
-
-    monkeypatch.setattr(fwd_launch, "compiled", compiled)
-    yield record
-    cache.clear_memory()
 
 
 def forward(mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bool = False):

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmattn_cute.jit import ARCH_ENV, cache
-from dmattn_cute.kernels import block_bits_launch, bwd_launch, fwd_launch
+from dmattn_cute.kernels import bwd_launch, fwd_launch
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
 from dmattn_cute.kernels.paired_bits import coarsen_bits, paired_bits
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
@@ -35,22 +34,7 @@ def test_coarsened_bits_are_the_bits_of_the_wider_tiles(seqlen_q, rows) -> None:
     assert (narrow & 2).any() or rows == "query-broadcast"  # the test sees FULL tiles
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    monkeypatch.setenv(ARCH_ENV, "sm_90a")
-    cache.clear_memory()
-    calls = []
-
-    def compiled(spec, arch):
-        return lambda *args: calls.append((spec, args))
-
-    for module in (fwd_launch, bwd_launch, block_bits_launch):
-        monkeypatch.setattr(module, "compiled", compiled)
-    yield calls
-    cache.clear_memory()
-
-
-def test_one_pre_pass_serves_both_kernels(recorded) -> None:
+def test_one_pre_pass_serves_both_kernels(launches) -> None:
     q, k, v, mask, bias = random_inputs(
         2, 300, 520, 4, 2, 128, torch.bfloat16, "cpu", mask_shape=(2, 2, 300, 520),
         bias_shape=(2, 2, 1, 520),
@@ -61,18 +45,18 @@ def test_one_pre_pass_serves_both_kernels(recorded) -> None:
     bwd_launch.flash_bwd(
         problem, torch.randn_like(q), q, k, v, mask4, bias4, out, stats, True, bits=backward_bits
     )
-    kinds = [type(spec) for spec, _ in recorded]
+    kinds = [type(spec) for spec, _ in launches["calls"]]
     # the pre-pass (at the backward's 64-row tiles), the forward, the preprocess, the backward
     assert kinds.count(BlockBitsSpec) == 1 and kinds[0] is BlockBitsSpec
-    (bits_spec, _), (fwd_spec, fwd_args) = recorded[0], recorded[1]
-    bwd_spec, bwd_args = recorded[-1]
+    (bits_spec, _), (fwd_spec, fwd_args) = launches["calls"][0], launches["calls"][1]
+    bwd_spec, bwd_args = launches["calls"][-1]
     assert isinstance(fwd_spec, Sm90FwdSpec) and isinstance(bwd_spec, Sm90BwdSpec)
     assert (bits_spec.tile_m, bits_spec.tile_n) == (bwd_spec.tile.tile_m, bwd_spec.tile.tile_n)
     assert fwd_args[8].data_ptr() == forward_bits.data_ptr() and bwd_args[13] is backward_bits
     assert forward_bits.shape[2] == -(-300 // fwd_spec.tile.tile_m)
 
 
-def test_bits_of_another_tile_are_refused(recorded) -> None:
+def test_bits_of_another_tile_are_refused(launches) -> None:
     q, k, v, mask, _ = random_inputs(
         1, 300, 520, 2, 2, 64, torch.bfloat16, "cpu", mask_shape=(1, 2, 300, 520)
     )

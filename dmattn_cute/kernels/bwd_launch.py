@@ -26,7 +26,15 @@ from .block_bits_launch import kernel_bits_view, mask_block_bits
 from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
 from .bwd import BwdScalars, BwdSpec, DbiasSpec
 from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
-from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view, stride_kinds
+from .launch import (
+    dtype_name,
+    kernel_layout,
+    kernel_scalars,
+    operand_spec,
+    operand_view,
+    qkv_view,
+    stride_kinds,
+)
 from .sm90.bwd import Sm90BwdSpec
 
 
@@ -291,11 +299,6 @@ def _plan(
     )
 
 
-def _layout(t: torch.Tensor | None) -> tuple | None:
-    """What a kernel view contributes to the variant (operand_spec) and to its block bits."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
-
-
 def flash_bwd(
     problem: Problem,
     dout: torch.Tensor,
@@ -325,7 +328,7 @@ def flash_bwd(
 
     def plan_of(mask_k):
         key = (
-            problem, arch, hopper_kernels(arch), sms, _layout(mask_k), _layout(bias_k),
+            problem, arch, hopper_kernels(arch), sms, kernel_layout(mask_k), kernel_layout(bias_k),
             bias_grad and bias is not None and (bias.shape, bias.dtype),
         )  # fmt: skip
         plan = _PLANS.get(key)

@@ -19,7 +19,14 @@ from .block_bits import BlockBitsSpec
 from .block_bits_launch import block_bits_shape, block_bits_spec, kernel_bits_view
 from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
 from .fwd import FwdScalars, FwdSpec
-from .launch import dtype_name, kernel_scalars, operand_spec, operand_view, qkv_view
+from .launch import (
+    dtype_name,
+    kernel_layout,
+    kernel_scalars,
+    operand_spec,
+    operand_view,
+    qkv_view,
+)
 from .sm90.fwd import Sm90FwdSpec
 from .spec import OperandSpec
 
@@ -94,11 +101,6 @@ _PLANS: dict[tuple, _FwdPlan] = holds_kernels({})
 _PLANS_MAX = 256
 
 
-def _layout(t: torch.Tensor | None) -> tuple | None:
-    """What a kernel view contributes to the variant (operand_spec) and to its block bits."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
-
-
 def _plan(
     problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
 ) -> _FwdPlan:
@@ -120,7 +122,7 @@ def _plan(
 
 
 def _plan_of(problem: Problem, mask, bias, arch: str) -> _FwdPlan:
-    key = (problem, arch, hopper_kernels(arch), _layout(mask), _layout(bias))
+    key = (problem, arch, hopper_kernels(arch), kernel_layout(mask), kernel_layout(bias))
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLANS_MAX:

@@ -69,6 +69,12 @@ def qkv_view(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.contiguous()
 
 
+def kernel_layout(t: torch.Tensor | None) -> tuple | None:
+    """What a mask/bias kernel view contributes to a variant (operand_spec) and to its block
+    bits: the key of the launch plans that remember them."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
+
+
 def kernel_scalars(
     kind: type[Scalars],
     problem: Problem,

@@ -14,7 +14,7 @@ from .block_bits import BlockBitsSpec
 from .block_bits_launch import kernel_bits_view, launch_block_bits
 from .bwd_launch import backward_spec_of
 from .fwd_launch import forward_spec_of
-from .launch import operand_view
+from .launch import kernel_layout, operand_view
 from .masking import FULL, VISIBLE
 from .sm90.bwd import Sm90BwdSpec
 from .sm90.fwd import Sm90FwdSpec
@@ -50,10 +50,6 @@ _PAIRINGS: dict[tuple, tuple | None] = {}
 _PAIRINGS_MAX = 256
 
 
-def _layout(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16)
-
-
 def paired_bits(
     problem, mask: torch.Tensor, bias: torch.Tensor | None, bias_grad: bool, arch: str, device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -61,7 +57,15 @@ def paired_bits(
     them) from one pre-pass, or None where the two kernels do not pair (not both Hopper, or
     tiles that do not nest): each then runs its own. mask/bias: 4-D views."""
     view = operand_view(mask)
-    key = (problem, arch, hopper_kernels(arch), device, _layout(view), _layout(bias), bias_grad)
+    key = (
+        problem,
+        arch,
+        hopper_kernels(arch),
+        device,
+        kernel_layout(view),
+        kernel_layout(bias),
+        bias_grad,
+    )
     if key not in _PAIRINGS:
         if len(_PAIRINGS) >= _PAIRINGS_MAX:
             _PAIRINGS.clear()
