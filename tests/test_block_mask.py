@@ -55,7 +55,8 @@ def attention_and_grads(q, k, v, mask, bias, block_mask, **kwargs):
             out = flash_dmattn_func(q1, k1, v1, mask, b1, block_mask=block_mask, **kwargs)
         else:
             compute = torch.float32 if dtype is not None else None
-            out, _ = attention_ref(q1, k1, v1, dense, b1, compute_dtype=compute, **kwargs)
+            ref_kwargs = {k: v for k, v in kwargs.items() if k != "deterministic"}
+            out, _ = attention_ref(q1, k1, v1, dense, b1, compute_dtype=compute, **ref_kwargs)
         out.backward(dout.to(out.dtype))
         grads = [t.grad for t in (q1, k1, v1, b1) if t is not None]
         results.append([out, *grads])
