@@ -191,6 +191,28 @@ def test_kernel_bits_are_the_tiles_of_the_element_mask(tile_m, tile_n, rows) -> 
             assert torch.equal(got, want), (m, n)
 
 
+def test_block_bits_are_memoized_per_tensor_and_version() -> None:
+    """A block mask's bits are built once per (tensor, version, tiles): a second call returns
+    the same tensor; an in-place change of the block mask, or another tensor, rebuilds them."""
+    problem = Problem.from_tensors(
+        torch.empty(2, 300, 4, 32), torch.empty(2, 520, 2, 32), softmax_scale=1.0,
+        is_causal=False, softcap=0.0, window_left=-1, window_right=-1, deterministic=False,
+    )  # fmt: skip
+    block_mask = random_block_mask((2, 2, 3, 5), 0.5, "cpu")
+    first = block_bits(block_mask, problem, 128, 128, 4)
+    assert block_bits(block_mask, problem, 128, 128, 4) is first
+    assert block_bits(block_mask, problem, 64, 128, 4) is not first  # other tiles
+    block_mask[:, :, :, 0] = ~block_mask[:, :, :, 0]
+    changed = block_bits(block_mask, problem, 128, 128, 4)
+    assert changed is not first
+    assert torch.equal(changed[..., 0] != 0, block_mask[:, :, :, 0].repeat_interleave(2, 1))
+    other = block_mask.clone()
+    assert block_bits(other, problem, 128, 128, 4) is not changed
+    with torch.inference_mode():
+        frozen = block_mask.clone()
+    assert torch.equal(block_bits(frozen, problem, 128, 128, 4), changed)
+
+
 def test_joint_mask_widens_by_stride_0_or_declines() -> None:
     problem = Problem.from_tensors(
         torch.empty(2, 300, 4, 32), torch.empty(2, 520, 2, 32), softmax_scale=1.0,

@@ -11,6 +11,8 @@ one head divisor indexes both. Everything else runs on the element mask (with_bl
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..block_mask import BLOCK, with_block_mask
@@ -30,7 +32,7 @@ def joint_mask(
     None when attn_mask is per kv head and the block mask per query head (a group's heads
     would need bits of their own under one mask head)."""
     if mask is None:
-        mask = torch.ones((1, 1, 1, problem.seqlen_k), dtype=torch.bool, device=block_mask.device)
+        mask = _all_true(problem.seqlen_k, block_mask.device)
     heads = max(mask.shape[1], block_mask.shape[1])
     if 1 < mask.shape[1] < heads:
         return None
@@ -38,12 +40,48 @@ def joint_mask(
     return broadcast_view(mask.expand(batch, heads, *mask.shape[2:]))
 
 
+# Key masks of Sk True bytes by (Sk, device): read-only, never written by a kernel.
+_ALL_TRUE: dict[tuple, torch.Tensor] = {}
+# Bits of recent block masks, by the tensor (held weakly: a new tensor at a reused id misses)
+# and its version (an in-place change misses): one block mask usually serves every layer's
+# forward and backward of a step, and its bits take ten small launches to build.
+_BITS: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+_MEMO_MAX = 16
+
+
+def _all_true(seqlen_k: int, device: torch.device) -> torch.Tensor:
+    key = (seqlen_k, device)
+    if key not in _ALL_TRUE:
+        if len(_ALL_TRUE) >= _MEMO_MAX:
+            _ALL_TRUE.clear()
+        _ALL_TRUE[key] = torch.ones((1, 1, 1, seqlen_k), dtype=torch.bool, device=device)
+    return _ALL_TRUE[key]
+
+
 def block_bits(
     block_mask: torch.Tensor, problem: Problem, tile_m: int, tile_n: int, heads: int
 ) -> torch.Tensor:
     """uint8 [Bm, heads or 1, m_blocks or 1, n_blocks] bits of (tile_m, tile_n) tiles (which
     nest in blocks, tiles_nest) from a block mask, its head dim widened to `heads` (the joint
-    mask's); one row for a query-broadcast block mask unless Sq has a tail tile."""
+    mask's); one row for a query-broadcast block mask unless Sq has a tail tile. Memoized per
+    block mask; the result is shared and must not be written."""
+    if block_mask.is_inference():  # no version counter to tell an in-place change
+        return _block_bits(block_mask, problem, tile_m, tile_n, heads)
+    key = (id(block_mask), block_mask._version, problem.seqlen_q, problem.seqlen_k, tile_m,
+           tile_n, heads)  # fmt: skip
+    hit = _BITS.get(key)
+    if hit is not None and hit[0]() is block_mask:
+        return hit[1]
+    bits = _block_bits(block_mask, problem, tile_m, tile_n, heads)
+    if len(_BITS) >= _MEMO_MAX:
+        _BITS.clear()
+    _BITS[key] = (weakref.ref(block_mask), bits)
+    return bits
+
+
+def _block_bits(
+    block_mask: torch.Tensor, problem: Problem, tile_m: int, tile_n: int, heads: int
+) -> torch.Tensor:
     seqlen_q, seqlen_k = problem.seqlen_q, problem.seqlen_k
     m_tiles, n_tiles = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
     device = block_mask.device
