@@ -21,6 +21,7 @@ import torch
 from bench.run import events_median, peak_mib
 from dmattn_cute import create_block_mask, flash_dmattn_func
 from dmattn_cute.block_mask import BLOCK
+from dmattn_cute.topw import topw_expiry
 
 
 def flex_runner(q, k, v, bias, block_mask):
@@ -99,6 +100,11 @@ def main() -> None:
         "fwd_ms": events_median(forward),
         "fwdbwd_ms": events_median(forward_backward),
         "fwdbwd_peak_mib": peak_mib(forward_backward),
+        # the token-level causal top-w mask of the same keys (w = keep_blocks x 128), as
+        # per-key expiry rows (dmattn_cute/topw.py): its build time; no kernel reads it yet
+        "topw_expiry_ms": events_median(
+            lambda: topw_expiry(bias.detach(), args.keep_blocks * BLOCK)
+        ),
     }
     if not args.no_flex:
         try:
