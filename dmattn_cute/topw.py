@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+_TEMP_BYTES = 1 << 30
+
 
 def topw_expiry(scores: Tensor, w: int, chunk: int = 64) -> Tensor:
     """int32 expiry [..., S] of the causal top-`w` mask of `scores` [..., S] (module doc):
@@ -40,7 +42,9 @@ def topw_expiry(scores: Tensor, w: int, chunk: int = 64) -> Tensor:
     order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
     ranks = torch.empty_like(order)
     ranks.scatter_(1, order, torch.arange(seqlen, device=flat.device).expand_as(order))
-    h = _running_wth_smallest(ranks, w, chunk)
+    # about 5 bytes per (position, candidate) of temporaries: rows in groups of ~1 GiB
+    group = max(1, _TEMP_BYTES // (5 * seqlen * (2 * chunk + 1)))
+    h = torch.cat([_running_wth_smallest(part, w, chunk) for part in ranks.split(group)])
     # expiry[j] = first i with h(i) < rank[j]; h is non-increasing in i
     expiry = torch.searchsorted(-h.contiguous(), -ranks, right=True)
     return expiry.to(torch.int32).reshape(*lead, seqlen)

@@ -57,3 +57,21 @@ def test_rejects_bad_w(w) -> None:
 def test_rejects_integer_scores() -> None:
     with pytest.raises(ValueError, match="scores: expected a float tensor"):
         topw_expiry(torch.arange(8), 2)
+
+
+def test_rows_in_groups_give_the_same_expiry(monkeypatch) -> None:
+    """Many rows are processed in groups that bound the temporaries: one row per group here."""
+    from dmattn_cute import topw
+
+    scores = torch.randint(0, 5, (3, 2, 100)).float()
+    whole = topw_expiry(scores, 7)
+    groups = []
+    running = topw._running_wth_smallest
+    monkeypatch.setattr(topw, "_TEMP_BYTES", 1)
+    monkeypatch.setattr(
+        topw,
+        "_running_wth_smallest",
+        lambda part, *a: groups.append(len(part)) or running(part, *a),
+    )
+    assert torch.equal(topw_expiry(scores, 7), whole)
+    assert groups == [1] * 6
