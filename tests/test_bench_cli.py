@@ -142,6 +142,25 @@ def test_executed_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
     assert run.executed_fraction(decode, make_inputs(decode, "cpu"), "fwd") == pytest.approx(1.0)
 
 
+def test_gpu_state_is_nvidia_smis_line_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def smi(argv, **kwargs):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "1980 MHz, 2619 MHz, 45, 300.50 W, 0x0\n", "")
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(run.subprocess, "run", smi)
+    assert run.gpu_state() == "1980 MHz, 2619 MHz, 45, 300.50 W, 0x0"
+    assert "--id=3" in calls[0] and f"--query-gpu={run.GPU_STATE_QUERY}" in calls[0]
+
+    def missing(argv, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(run.subprocess, "run", missing)
+    assert run.gpu_state() is None
+
+
 def test_our_variants_are_what_the_runs_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DMATTN_CUTE_ARCH", "sm_90a")
     dense, plain = _small("dense"), _small(None, bias=None)
