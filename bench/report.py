@@ -43,12 +43,21 @@ HOW_TO_READ = """\
   ms).
 - rel err vs ours: ||out - ours|| / ||ours|| of the forward output, checked before timing; a
   peer above 2e-2 (bf16) / 1e-2 (fp16) is listed as skipped, not timed.
+- † (summary): host-bound, host ms at least 0.8 x ms: the time is the CPU's enqueue time more
+  than the GPU's, and its ratio moves with the machine's CPU between runs.
 """
+HOST_BOUND = 0.8
 
 
 def _cell(rec: dict, key: str, fmt: str) -> str:
     value = rec.get(key)
     return "-" if value is None or value == "" else format(value, fmt)
+
+
+def _ms(rec: dict) -> str:
+    """The record's ms, marked † where it is host-bound (HOW_TO_READ)."""
+    bound = "ms" in rec and rec.get("host_ms", 0.0) >= HOST_BOUND * rec["ms"]
+    return _cell(rec, "ms", ".3f") + ("†" if bound else "")
 
 
 def markdown(results: list[dict]) -> str:
@@ -125,14 +134,13 @@ def summary(results: list[dict]) -> str:
             tflops = _cell(ours, "tflops", ".0f")
             if ours.get("executed_tflops") is not None:
                 tflops += f" ({ours['executed_tflops']:.0f})"
-            cells = [workload, f"**{_cell(ours, 'ms', '.3f')}**", tflops]
+            cells = [workload, f"**{_ms(ours)}**", tflops]
             for peer in peers:
                 rec = impls.get(peer, {})
                 cells.append(
-                    f"{rec['ms']:.3f} ({rec['speedup']:.2f})"
-                    if "ms" in rec and "speedup" in rec
-                    else _cell(rec, "ms", ".3f")
-                )
+                    f"{_ms(rec)} ({rec['speedup']:.2f})" if "speedup" in rec and "ms" in rec
+                    else _ms(rec)
+                )  # fmt: skip
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

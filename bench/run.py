@@ -23,6 +23,7 @@ import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -86,6 +87,25 @@ def events_median(fn) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+GPU_STATE_QUERY = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+
+
+def gpu_state() -> str | None:
+    """nvidia-smi's SM and memory clocks (MHz), temperature, power and active throttle
+    reasons, as one CSV line (None where nvidia-smi cannot say): taken after each timing, so
+    that a time that moves between runs can be told from a clock that moved."""
+    try:
+        index = torch.cuda.current_device()
+        line = subprocess.run(
+            ["nvidia-smi", f"--id={index}", f"--query-gpu={GPU_STATE_QUERY}",
+             "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return line or None
 
 
 def host_ms(fn, calls: int = 20) -> float:
@@ -233,6 +253,7 @@ def run_workload(w: Workload, mode: str, timer, impls: list[str]) -> list[dict]:
                 continue
         del out, first
         rec["ms"] = timer(fn)
+        rec["gpu_state"] = gpu_state()
         rec["host_ms"] = host_ms(fn)
         rec["peak_mib"] = peak_mib(fn)
         rec["tflops"] = flops / rec["ms"] * 1e-9
