@@ -26,6 +26,9 @@ class Scores:
     after it instead), then softcap, the bias after the cap, the mask tile.
 
     has_bias/has_mask/has_softcap are compile-time; the scales are the launch's scalars.
+    mask_expiry: the mask tile is one row of int32 expiry rows (dmattn_cute/topw.py): query
+    row i keeps key j while i + Sk - Sq < expiry[j] (the Hopper kernels; finish then needs the
+    scores' coordinates and Sk - Sq).
     """
 
     has_bias: cutlass.Constexpr[bool]
@@ -39,6 +42,7 @@ class Scores:
     # bias_after_gemm, added after Q K^T (the Hopper kernels: their GEMM need not wait for it).
     bias_rows_shared: cutlass.Constexpr[bool] = False
     bias_after_gemm: cutlass.Constexpr[bool] = False
+    mask_expiry: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def start(self, acc_s: cute.Tensor, t_bias: cute.Tensor | None):
@@ -68,6 +72,8 @@ class Scores:
         t_mask: cute.Tensor | None,
         mask_full,
         dtanh: cute.Tensor | None = None,
+        t_coord: cute.Tensor | None = None,
+        row_offset: cutlass.Int32 | None = None,
     ):
         """acc_s after Q K^T: softcap (its derivative 1 - tanh^2 into `dtanh` when given) and
         the bias; then scores where the mask tile is False become -inf, unless the tile is
@@ -91,7 +97,17 @@ class Scores:
                 column = mul_rz(cutlass.Float32(bias_mn[0, c]), self.bias_scale)
                 for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
                     acc_mn[r, c] = acc_mn[r, c] + column
-        if cutlass.const_expr(self.has_mask):
+        if cutlass.const_expr(self.has_mask and self.mask_expiry):
+            if mask_full == 0:
+                acc_mn, coord_mn, expiry_mn = (
+                    acc_mn_view(t) for t in (acc_s, t_coord, t_mask)
+                )  # fmt: skip
+                for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                    expiry = cutlass.Int32(expiry_mn[0, c])
+                    for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                        if coord_mn[r, 0][0] + row_offset >= expiry:
+                            acc_mn[r, c] = -cutlass.Float32.inf
+        elif cutlass.const_expr(self.has_mask):
             if mask_full == 0:
                 keep = t_mask.load() != 0
                 acc_s.store(cute.where(keep, acc_s.load(), -cutlass.Float32.inf))

@@ -754,6 +754,7 @@ class FlashBwdSm90:
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=self.bias_rows_shared,
             bias_after_gemm=self.bias_rows_shared,
+            mask_expiry=spec.mask is not None and spec.mask.dtype == "i32",
         )  # fmt: skip
         dbias = None
         if cutlass.const_expr(spec.dbias is not None):
@@ -927,7 +928,10 @@ class FlashBwdSm90:
         dtanh = None
         if cutlass.const_expr(spec.has_softcap and not fused):
             dtanh = cute.make_rmem_tensor_like(acc_S)
-        scores.finish(acc_S, t_bias, t_mask, full, dtanh)
+        scores.finish(
+            acc_S, t_bias, t_mask, full, dtanh, t_coord=coord,
+            row_offset=limits.seqlen_k - limits.seqlen_q,
+        )  # fmt: skip
         limits.apply(acc_S, coord, m_block, n_block)
         acc_mn, dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
         if cutlass.const_expr(not fused):

@@ -524,6 +524,7 @@ class FlashFwdSm90:
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=row_bias, bias_after_gemm=row_bias,
+            mask_expiry=spec.mask is not None and spec.mask.dtype == "i32",
         )  # fmt: skip
         softmax = OnlineSoftmax.create(
             cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None
@@ -649,7 +650,10 @@ class FlashFwdSm90:
         if cutlass.const_expr(spec.mask is not None):
             t_mask = views["mask"][None, None, None, state.index]
             full = cutlass.Int32(bits[n_block]) & FULL
-        scores.finish(acc_S, t_bias, t_mask, full)
+        scores.finish(
+            acc_S, t_bias, t_mask, full, t_coord=tScS[None, None, None, n_block],
+            row_offset=limits.seqlen_k - limits.seqlen_q,
+        )  # fmt: skip
         if cutlass.const_expr(self.has_tiles):
             # every consumer thread arrives after its own reads of the tiles (release)
             pipe_tiles.consumer_release(state)
