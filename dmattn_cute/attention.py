@@ -10,6 +10,7 @@ from torch import Tensor
 from dmattn_cute.block_mask import check_block_mask, with_block_mask
 from dmattn_cute.ops import EagerAttention, attention_fwd
 from dmattn_cute.problem import check_bool, check_problem
+from dmattn_cute.topw import check_key_expiry, with_key_expiry
 
 
 def _storage_view(bias: Tensor) -> Tensor:
@@ -57,6 +58,7 @@ def flash_dmattn_func(
     return_lse: bool = False,
     *,
     block_mask: Tensor | None = None,
+    key_expiry: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Flash dynamic mask attention, the function SPEC.md defines.
 
@@ -68,7 +70,11 @@ def flash_dmattn_func(
     value and attn_bias (dbias has attn_bias's shape and dtype).
     block_mask (keyword only, beyond SPEC.md): bool [Bm, Hm, Mq, Mk] of 128 x 128 (query,
     key) blocks, ANDed with the rest (dmattn_cute/block_mask.py): a mask that long sequences
-    can hold. Raises TypeError / ValueError on bad input before any work is done.
+    can hold. key_expiry (keyword only, beyond SPEC.md): int32 [Be, He, Sk], Be in {1, B},
+    He in {1, Hkv, H}: query i keeps key j only while i + Sk - Sq < key_expiry[b, h, j],
+    ANDed with the rest; with is_causal=True, topw.topw_expiry's rows give each query its top
+    w keys by a per-key score (dmattn_cute/topw.py). Raises TypeError / ValueError on bad
+    input before any work is done.
     """
     problem = check_problem(
         query,
@@ -88,19 +94,26 @@ def flash_dmattn_func(
             block_mask, problem.batch, problem.num_heads, problem.num_heads_kv,
             problem.seqlen_q, problem.seqlen_k, query.device,
         )  # fmt: skip
+    if key_expiry is not None:
+        check_key_expiry(
+            key_expiry, problem.batch, problem.num_heads, problem.num_heads_kv,
+            problem.seqlen_k, query.device,
+        )  # fmt: skip
     if attn_bias is not None:
         attn_bias = _storage_view(attn_bias)
     if _eager_cuda(query):
         out, lse = EagerAttention.apply(
-            problem, query, key, value, attn_mask, attn_bias, block_mask,
+            problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry,
             torch.is_grad_enabled(),
         )  # fmt: skip
         return (out, lse) if return_lse else out
+    group = problem.num_heads // problem.num_heads_kv
     if block_mask is not None:  # the ops take element masks
-        group = problem.num_heads // problem.num_heads_kv
         attn_mask = with_block_mask(
             attn_mask, block_mask, problem.seqlen_q, problem.seqlen_k, group
         )
+    if key_expiry is not None:
+        attn_mask = with_key_expiry(attn_mask, key_expiry, problem.seqlen_q, group)
     out, lse, _ = attention_fwd(
         query,
         key,

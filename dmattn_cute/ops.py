@@ -211,8 +211,9 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, problem: Problem, query, key, value, attn_mask, attn_bias, block_mask, recorded
-    ):
+        ctx, problem: Problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry,
+        recorded,
+    ):  # fmt: skip
         mask, bias = broadcast_view(attn_mask), broadcast_view(attn_bias)
         # With a mask and a backward to come (`recorded`: grad mode was on at the call, and
         # forward runs with it off): one block-bits pre-pass for both kernels.
@@ -222,16 +223,19 @@ class EagerAttention(torch.autograd.Function):
             recorded
             and mask is not None
             and block_mask is None
+            and key_expiry is None
             and (any(ctx.needs_input_grad[1:4]) or bias_grad)
         ):
             arch = target_arch(query.device)
             bits = paired_bits(problem, mask, bias, bias_grad, arch, query.device)
         out, lse, stats = flash_fwd(
             problem, query, key, value, mask, bias, block_mask=block_mask,
-            bits=None if bits is None else bits[0],
+            bits=None if bits is None else bits[0], key_expiry=key_expiry,
         )  # fmt: skip
         ctx.bwd_bits = None if bits is None else bits[1]
-        ctx.save_for_backward(query, key, value, attn_mask, attn_bias, block_mask, out, stats)
+        ctx.save_for_backward(
+            query, key, value, attn_mask, attn_bias, block_mask, key_expiry, out, stats
+        )
         ctx.problem = problem
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -239,15 +243,17 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: None) -> tuple[Tensor | None, ...]:
-        query, key, value, attn_mask, attn_bias, block_mask, out, stats = ctx.saved_tensors
+        query, key, value, attn_mask, attn_bias, block_mask, key_expiry, out, stats = (
+            ctx.saved_tensors
+        )
         bias_grad = attn_bias is not None and ctx.needs_input_grad[5]
         dq, dk, dv, dbias = flash_bwd(
             ctx.problem, dout, query, key, value, broadcast_view(attn_mask),
             broadcast_view(attn_bias), out, stats, bias_grad, block_mask=block_mask,
-            bits=ctx.bwd_bits,
+            bits=ctx.bwd_bits, key_expiry=key_expiry,
         )  # fmt: skip
         dbias = dbias.view(attn_bias.shape) if bias_grad else None
-        return None, dq, dk, dv, None, dbias, None, None
+        return None, dq, dk, dv, None, dbias, None, None, None
 
 
 __all__ = ["EagerAttention", "attention_bwd", "attention_fwd"]

@@ -100,4 +100,47 @@ def expiry_mask(expiry: Tensor, seqlen_q: int) -> Tensor:
     return (cols <= rows) & (rows < expiry[..., None, :])
 
 
-__all__ = ["expiry_mask", "topw_expiry"]
+def check_key_expiry(
+    key_expiry: object, batch: int, heads: int, heads_kv: int, seqlen_k: int, device
+) -> None:
+    """Raise TypeError / ValueError unless key_expiry is an int32 [Be, He, Sk] tensor with Be
+    in {1, B} and He in {1, Hkv, H} on `device` (flash_dmattn_func's key_expiry)."""
+    if not isinstance(key_expiry, Tensor):
+        raise TypeError(f"key_expiry: expected a torch.Tensor or None, got {type(key_expiry)}")
+    if key_expiry.dtype != torch.int32:
+        raise TypeError(f"key_expiry: expected dtype torch.int32, got {key_expiry.dtype}")
+    if key_expiry.device != device:
+        raise ValueError(
+            f"key_expiry: expected device {device} like query, got {key_expiry.device}"
+        )
+    allowed = ((1, batch), (1, heads_kv, heads), (seqlen_k,))
+    if key_expiry.dim() != 3 or any(
+        size not in sizes for size, sizes in zip(key_expiry.shape, allowed, strict=True)
+    ):
+        raise ValueError(
+            f"key_expiry: expected [Be, He, Sk] with Be in {{1, {batch}}}, He in "
+            f"{{1, {heads_kv}, {heads}}} and Sk = {seqlen_k}, got shape {tuple(key_expiry.shape)}"
+        )
+
+
+def with_key_expiry(
+    attn_mask: Tensor | None, key_expiry: Tensor, seqlen_q: int, group: int
+) -> Tensor:
+    """attn_mask (3-D or 4-D, or None) and key_expiry [Be, He, Sk] as one materialized element
+    mask of their broadcast shape: row i keeps key j where attn_mask does and i + Sk - Sq <
+    key_expiry[j] (no causal limit: that stays is_causal's). `group` = H / Hkv maps an Hkv
+    head dim onto an H one."""
+    seqlen_k = key_expiry.shape[-1]
+    positions = torch.arange(seqlen_q, device=key_expiry.device) + (seqlen_k - seqlen_q)
+    rows = positions[:, None] < key_expiry[:, :, None, :]
+    if attn_mask is None:
+        return rows
+    mask = attn_mask.unsqueeze(2) if attn_mask.dim() == 3 else attn_mask
+    heads = max(mask.shape[1], rows.shape[1])
+    mask, rows = (
+        t.repeat_interleave(group, 1) if 1 < t.shape[1] < heads else t for t in (mask, rows)
+    )  # fmt: skip
+    return mask & rows
+
+
+__all__ = ["check_key_expiry", "expiry_mask", "topw_expiry", "with_key_expiry"]

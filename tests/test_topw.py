@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmattn_cute.topw import expiry_mask, topw_expiry
+from dmattn_cute.topw import expiry_mask, topw_expiry, with_key_expiry
 
 
 def topw_by_definition(scores: torch.Tensor, w: int, seqlen_q: int) -> torch.Tensor:
@@ -75,3 +75,114 @@ def test_rows_in_groups_give_the_same_expiry(monkeypatch) -> None:
     )
     assert torch.equal(topw_expiry(scores, 7), whole)
     assert groups == [1] * 6
+
+
+# ---- key_expiry in flash_dmattn_func ----
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def expiry_and_grads(q, k, v, mask, bias, expiry, **kwargs):
+    """Ours with key_expiry vs the fp32 and low-precision references given the element mask
+    (topw.expiry_mask: the expiry and causal) ANDed with attn_mask (one mask head, or as many
+    as the expiry); out and grads checked."""
+    from dmattn_cute import flash_dmattn_func
+    from dmattn_cute.reference import attention_ref
+    from tests.utils import check_close, leaves
+
+    dense = expiry_mask(expiry, q.shape[1])  # written apart from with_key_expiry
+    if mask is not None:
+        dense = dense & mask
+    dout = torch.randn_like(q)
+    results = []
+    for dtype, ours in ((None, True), (torch.float32, False), (None, False)):
+        q1, k1, v1 = leaves((q, k, v), dtype)
+        b1 = None if bias is None else leaves((bias,), dtype)[0]
+        if ours:
+            out = flash_dmattn_func(q1, k1, v1, mask, b1, key_expiry=expiry, **kwargs)
+        else:
+            compute = torch.float32 if dtype is not None else None
+            out, _ = attention_ref(q1, k1, v1, dense, b1, compute_dtype=compute, **kwargs)
+        out.backward(dout.to(out.dtype))
+        results.append([out, *(t.grad for t in (q1, k1, v1, b1) if t is not None)])
+    for name, got, ref, lowp in zip(("out", "dq", "dk", "dv", "dbias"), *results, strict=False):
+        check_close(name, got, ref, lowp.to(ref.dtype), q.dtype)
+
+
+EXPIRY_CASES = {
+    # (Sq, Sk, H, Hkv, D, expiry heads, w, attn_mask shape, bias shape)
+    "kv-heads-key-bias": (300, 300, 4, 2, 64, 2, 40, None, (2, 2, 1, 300)),
+    "query-heads-fewer-queries": (65, 257, 4, 2, 128, 4, 17, None, (2, 2, 1, 257)),
+    "with-attn-mask": (129, 200, 2, 1, 64, 1, 30, (2, 1, 129, 200), None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", EXPIRY_CASES.values(), ids=EXPIRY_CASES.keys())
+def test_key_expiry_is_the_topw_mask(case, device) -> None:
+    from tests.utils import random_inputs
+
+    sq, sk, h, hkv, d, he, w, mask_shape, bias_shape = case
+    q, k, v, mask, bias = random_inputs(
+        2, sq, sk, h, hkv, d, torch.bfloat16, device, mask_shape=mask_shape,
+        bias_shape=bias_shape,
+    )  # fmt: skip
+    expiry = topw_expiry(torch.randn(2, he, sk, device=device), w)
+    expiry_and_grads(q, k, v, mask, bias, expiry, is_causal=True)
+
+
+def test_key_expiry_is_validated() -> None:
+    from dmattn_cute import flash_dmattn_func
+
+    q, k = (
+        torch.randn(2, 10, 4, 32, dtype=torch.bfloat16),
+        torch.randn(2, 12, 2, 32, dtype=torch.bfloat16),
+    )
+    good = torch.zeros(2, 2, 12, dtype=torch.int32)
+    flash_dmattn_func(q, k, k, key_expiry=good)
+    with pytest.raises(TypeError, match="key_expiry: expected dtype torch.int32"):
+        flash_dmattn_func(q, k, k, key_expiry=good.long())
+    with pytest.raises(ValueError, match="key_expiry: expected \\[Be, He, Sk\\]"):
+        flash_dmattn_func(q, k, k, key_expiry=good[:, :, :11])
+    with pytest.raises(ValueError, match="key_expiry: expected \\[Be, He, Sk\\]"):
+        flash_dmattn_func(q, k, k, key_expiry=torch.zeros(2, 3, 12, dtype=torch.int32))
+    with pytest.raises(TypeError, match="key_expiry: expected a torch.Tensor"):
+        flash_dmattn_func(q, k, k, key_expiry=[1, 2])
+
+
+def test_hopper_launches_read_the_expiry_as_their_mask(launches) -> None:
+    """sm_90a: the forward and backward get the expiry as an int32 [Be, He, 1, Sk] view
+    (stride 0 on the queries) and bits equal to the definition's on the element mask it
+    stands for, at each kernel's tiles; no block-bits pre-pass runs. With attn_mask too, the
+    two become one element mask (the pre-pass runs on it)."""
+    from dmattn_cute.kernels.bwd_launch import flash_bwd
+    from dmattn_cute.kernels.fwd_launch import flash_fwd
+    from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
+    from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
+    from dmattn_cute.problem import make_problem
+    from tests.test_block_bits_gpu import bits_ref
+
+    sq, sk = 300, 520
+    q = torch.randn(2, sq, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, sk, 2, 64, dtype=torch.bfloat16)
+    expiry = topw_expiry(torch.randn(2, 2, sk), 100)
+    problem, _, _ = make_problem(q, k, k, None, None, None, True, 0.0, (-1, -1), False)
+    dense = with_key_expiry(None, expiry, sq, 2)
+    flash_fwd(problem, q, k, k, None, None, key_expiry=expiry)
+    out, stats = torch.randn_like(q), torch.zeros(2, 4, 2, sq)
+    flash_bwd(problem, torch.randn_like(q), q, k, k, None, None, out, stats, False,
+              key_expiry=expiry)  # fmt: skip
+    (fwd, fwd_args), _, (bwd, bwd_args) = launches["calls"]  # fwd, bwd preprocess, bwd
+    assert isinstance(fwd, Sm90FwdSpec) and isinstance(bwd, Sm90BwdSpec)
+    for spec, mask, bits in ((fwd, fwd_args[6], fwd_args[8]), (bwd, bwd_args[11], bwd_args[13])):
+        assert spec.mask.dtype == "i32" and mask.dtype == torch.int32
+        assert mask.shape == (2, 2, 1, sk) and mask.stride(2) == 0
+        tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
+        assert torch.equal(bits, bits_ref(dense, sq, sk, tile_m, tile_n)), type(spec).__name__
+    launches["calls"].clear()
+    mask = torch.rand(2, 1, sq, sk) < 0.5
+    problem, mask4, _ = make_problem(q, k, k, mask, None, None, True, 0.0, (-1, -1), False)
+    flash_fwd(problem, q, k, k, mask4, None, key_expiry=expiry)
+    (_, pre_args), (_, args) = launches["calls"]  # the pre-pass of the element mask, the fwd
+    assert args[6].dtype == torch.uint8 and torch.equal(args[6].bool(), mask & dense)
+    assert pre_args[0] is args[6]

@@ -21,6 +21,7 @@ import torch
 from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled, holds_kernels
 from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
+from . import expiry_launch
 from .block_bits import BlockBitsSpec
 from .block_bits_launch import kernel_bits_view, mask_block_bits
 from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
@@ -312,6 +313,7 @@ def flash_bwd(
     bias_grad: bool,
     block_mask: torch.Tensor | None = None,
     bits: torch.Tensor | None = None,
+    key_expiry: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
 
@@ -319,7 +321,8 @@ def flash_bwd(
     row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype. block_mask: as
     flash_fwd takes it (bits of the Hopper kernel's tiles, or expanded into the mask). bits:
     the mask's block bits for this variant as its kernel reads them (kernels/paired_bits.py),
-    which the pre-pass then does not compute; only without a block mask.
+    which the pre-pass then does not compute; only without a block mask. key_expiry: as
+    flash_fwd takes it.
     """
     q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
     bias_k = operand_view(bias)
@@ -338,6 +341,16 @@ def flash_bwd(
             plan = _PLANS[key] = _plan(problem, mask_k, bias_k, bias_grad, arch, sms)
         return plan
 
+    expiry = None  # the expiry view, where the kernel reads it as its mask (as flash_fwd)
+    if key_expiry is not None:
+        view = broadcast_view(key_expiry)
+        spec = None
+        if mask is None and block_mask is None:
+            spec = backward_spec_of(problem, view, bias, bias_grad, arch, q.device)
+        if isinstance(spec, Sm90BwdSpec):
+            expiry = mask = view
+        else:
+            mask = expiry_launch.element_mask(mask, key_expiry, problem)
     blocks = None  # the block mask, where the kernel reads it as bits
     if block_mask is not None:
         joint = joint_mask(mask, block_mask, problem)
@@ -376,6 +389,8 @@ def flash_bwd(
                 if blocks is not None or tuple(given.shape[2:]) != tiles:
                     raise ValueError(f"bits: expected {tiles} tiles, got {tuple(given.shape)}")
                 bits = given
+            elif expiry is not None:
+                bits = expiry_launch.expiry_bits(expiry, problem, *plan.bits_tile)
             elif blocks is None or mask_given:
                 bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
             if blocks is not None:

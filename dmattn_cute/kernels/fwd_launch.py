@@ -14,7 +14,8 @@ import torch
 
 from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled, holds_kernels
-from ..problem import Problem
+from ..problem import Problem, broadcast_view
+from . import expiry_launch
 from .block_bits import BlockBitsSpec
 from .block_bits_launch import block_bits_shape, block_bits_spec, kernel_bits_view
 from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
@@ -107,7 +108,8 @@ def _plan(
     mask_spec = operand_spec(mask, problem.seqlen_k)
     spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch)
     scalars = kernel_scalars(FwdScalars, problem, mask, bias)
-    if not isinstance(spec, Sm90FwdSpec) or mask is None:
+    if not isinstance(spec, Sm90FwdSpec) or mask is None or mask.dtype == torch.int32:
+        # (an int32 mask is an expiry: its bits come from expiry_launch, not the pre-pass)
         return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None)
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     bits_spec = BlockBitsSpec(mask_spec, tile_m, tile_n)
@@ -143,6 +145,7 @@ def flash_fwd(
     stats: torch.Tensor | None = None,
     block_mask: torch.Tensor | None = None,
     bits: torch.Tensor | None = None,
+    key_expiry: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on CUDA tensors; returns out [B, Sq, H, D], lse [B, H, Sq] fp32 and
     the backward's softmax stats [B, H, 2, Sq] fp32 (per row: the max score in accumulator
@@ -154,11 +157,21 @@ def flash_fwd(
     (dmattn_cute/block_mask.py), read as block bits by the Hopper kernel where its tiles nest
     in blocks, else expanded into the mask (kernels/block_mask_launch.py). bits: the mask's
     block bits as the pre-pass writes them for this variant (kernels/paired_bits.py), which
-    then does not run; only without a block mask.
+    then does not run; only without a block mask. key_expiry: validated top-w expiry rows
+    [Be, He, Sk] int32 (dmattn_cute/topw.py), the Hopper kernel's mask operand when it is the
+    only mask, else part of the element mask (kernels/expiry_launch.py).
     """
     q, k, v = qkv_view(q), qkv_view(k), qkv_view(v)
     bias = operand_view(bias)
     arch = target_arch(q.device)
+    expiry = None  # the expiry view, where the kernel reads it as its mask
+    if key_expiry is not None:
+        view = broadcast_view(key_expiry)
+        alone = mask is None and block_mask is None and hopper_kernels(arch)
+        if alone and isinstance(fwd_spec(problem, view, bias, arch), Sm90FwdSpec):
+            expiry = mask = view
+        else:
+            mask = expiry_launch.element_mask(mask, key_expiry, problem)
     blocks = None  # the block mask, where the kernel reads it as bits
     if block_mask is not None:
         joint = joint_mask(mask, block_mask, problem) if hopper_kernels(arch) else None
@@ -181,7 +194,11 @@ def flash_fwd(
             device=q.device,
         )  # fmt: skip
     plan = _plan_of(problem, mask, bias, arch)
-    if plan.bits_kernel is not None:
+    if expiry is not None:
+        tile = plan.spec.tile
+        bits = expiry_launch.expiry_bits(expiry, problem, tile.tile_m, tile.tile_n)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, *plan.scalars)
+    elif plan.bits_kernel is not None:
         if bits is not None:
             if blocks is not None or tuple(bits.shape) != plan.bits_shape:
                 raise ValueError(f"bits: expected {plan.bits_shape}, got {tuple(bits.shape)}")

@@ -17,6 +17,7 @@ _DTYPE_NAMES = {
     torch.float16: "fp16",
     torch.float32: "fp32",
     torch.uint8: "u8",
+    torch.int32: "i32",  # a mask of top-w expiry rows (kernels/expiry_launch.py)
 }
 
 Scalars = TypeVar("Scalars", bound=tuple)

@@ -1,0 +1,55 @@
+"""Host side of top-w expiry rows (dmattn_cute/topw.py) for the Hopper kernels.
+
+The kernels read an expiry [Be, He, Sk] int32 as their mask operand: a one-row (query-
+broadcast) tile per key block, kept where the score's row + Sk - Sq is below the key's expiry
+(Scores.mask_expiry). Its block bits come from each key block's largest and smallest expiry:
+a tile is visible where some key outlives the tile's first row, full where every key outlives
+its last row (never on the tail tiles of Sq or Sk). Everywhere else (the mma.sync kernels,
+with attn_mask or a block mask, torch.compile, CPU) the expiry becomes an element mask
+(`element_mask`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..problem import Problem, broadcast_view
+from ..topw import with_key_expiry
+from .block_bits_launch import kernel_bits_view
+from .masking import FULL, VISIBLE
+
+_NEVER = torch.iinfo(torch.int32).max
+
+
+def expiry_bits(expiry: torch.Tensor, problem: Problem, tile_m: int, tile_n: int) -> torch.Tensor:
+    """The bits of (tile_m, tile_n) tiles as the kernels index them (kernel_bits_view), from
+    an expiry view [Be, He, 1, Sk] (problem.broadcast_view)."""
+    seqlen_q, seqlen_k = problem.seqlen_q, problem.seqlen_k
+    m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
+    rows = expiry[:, :, 0]
+    pad = n_blocks * tile_n - seqlen_k
+    blocks = (*rows.shape[:2], n_blocks, tile_n)
+    longest = F.pad(rows, (0, pad), value=0).reshape(blocks).amax(-1)
+    shortest = F.pad(rows, (0, pad), value=_NEVER).reshape(blocks).amin(-1)
+    first = torch.arange(m_blocks, device=expiry.device) * tile_m
+    last = torch.clamp(first + tile_m, max=seqlen_q) - 1
+    shift = seqlen_k - seqlen_q  # rows in key positions (bottom-right aligned)
+    visible = longest[:, :, None, :] > (first + shift)[:, None]
+    full = visible & (shortest[:, :, None, :] > (last + shift)[:, None])
+    if seqlen_k % tile_n:
+        full[..., -1] = False
+    if seqlen_q % tile_m:
+        full[..., -1, :] = False
+    bits = visible.to(torch.uint8) * VISIBLE | full.to(torch.uint8) * FULL
+    return kernel_bits_view(bits, m_blocks)
+
+
+def element_mask(mask: torch.Tensor | None, expiry: torch.Tensor, problem: Problem) -> torch.Tensor:
+    """attn_mask (a 4-D view, or None) and the expiry [Be, He, Sk] as one materialized 4-D
+    element mask view (topw.with_key_expiry)."""
+    group = problem.num_heads // problem.num_heads_kv
+    return broadcast_view(with_key_expiry(mask, expiry, problem.seqlen_q, group))
+
+
+__all__ = ["element_mask", "expiry_bits"]
