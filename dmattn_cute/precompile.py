@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dmattn_cute.jit import cache
-from dmattn_cute.jit.arch import SUPPORTED_ARCHS
+from dmattn_cute.jit.arch import SUPPORTED_ARCHS, hopper_kernels
 from dmattn_cute.kernels.bwd_launch import (
     backward_bits_spec_of,
     backward_spec_of,
@@ -33,7 +33,7 @@ from dmattn_cute.kernels.bwd_launch import (
 )
 from dmattn_cute.kernels.fwd_launch import bits_spec_of, forward_spec_of
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
-from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, make_problem
+from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, broadcast_view, make_problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_HEAD_DIMS = (64, 128)
@@ -42,7 +42,8 @@ DEFAULT_HEAD_DIMS = (64, 128)
 BATCH, SEQLEN = 2, 1024
 
 # mask / bias layouts: "kv" [B, Hkv, Sq, Sk], "full" [B, H, Sq, Sk], "key" bias [B, Hkv, Sk]
-# (one value per key, shared by all queries, as DynamicMaskAttention builds it).
+# (one value per key, shared by all queries, as DynamicMaskAttention builds it), "expiry"
+# key_expiry [B, Hkv, Sk] int32 (top-w rows, dmattn_cute/topw.py).
 OPERANDS = {
     "dense": (None, None),
     "mask": ("kv", None),
@@ -50,6 +51,7 @@ OPERANDS = {
     "mask+key-bias": ("kv", "key"),
     "full-bias": (None, "full"),
     "full-mask+full-bias": ("full", "full"),
+    "expiry+key-bias": ("expiry", "key"),
 }
 # Heads (H, Hkv): with a per-kv-head bias, MHA writes dbias directly and GQA sums into it.
 HEADS = ((8, 8), (8, 2))
@@ -79,7 +81,14 @@ class CallPattern:
                 "kv": (BATCH, heads_kv, seqlen, seqlen),
                 "full": (BATCH, heads, seqlen, seqlen),
                 "key": (BATCH, heads_kv, seqlen),
+                "expiry": (BATCH, heads_kv, seqlen),
             }[kind]
+            if kind == "expiry":
+                return (
+                    torch.empty(shape, device=device, dtype=torch.int32)
+                    if meta
+                    else torch.randint(0, seqlen + 1, shape, device=device, dtype=torch.int32)
+                )
             if dtype == torch.bool:
                 return (
                     torch.empty(shape, device=device, dtype=dtype)
@@ -145,10 +154,18 @@ def planned_kernels(
     backward=True,
 ) -> list[tuple[str, object]]:  # fmt: skip
     """(kind, spec) of every kernel a flash_dmattn_func call on these tensors runs on `arch`
-    (its backward too, if `backward`), planned by the launches' own code."""
+    (its backward too, if `backward`), planned by the launches' own code. An int32 `mask` is
+    a key_expiry: the Hopper kernels' mask operand, an element mask elsewhere."""
+    expiry = mask is not None and mask.dtype == torch.int32
     problem, mask4, bias4 = make_problem(
-        q, k, v, mask, bias, None, is_causal, softcap, (-1, -1), deterministic
-    )
+        q, k, v, None if expiry else mask, bias, None, is_causal, softcap, (-1, -1),
+        deterministic,
+    )  # fmt: skip
+    if expiry:
+        mask4 = broadcast_view(mask)
+        if not hopper_kernels(arch):  # the element mask it becomes: [Be, He, Sq, Sk]
+            rows = (*mask.shape[:2], problem.seqlen_q, problem.seqlen_k)
+            mask4 = broadcast_view(torch.empty(rows, dtype=torch.bool, device=mask.device))
     kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch))]
     bits = bits_spec_of(problem, mask4, bias4, arch)
     if bits is not None:
