@@ -7,7 +7,9 @@ one GPU), against FlexAttention with the same block mask where it runs.
 Reports the median ms (bench.run.events_median) of the block-mask build (create_block_mask),
 of the forward and of the forward + backward, the peak memory of a forward + backward beyond
 its inputs (bench.run.peak_mib), and the executed fraction of the dense causal work (visible
-blocks over all blocks).
+blocks over all blocks). Then the same for the token-level causal top-w mask of that bias
+(w = keep_blocks x 128) as key_expiry rows (dmattn_cute/topw.py): their build, forward and
+forward + backward.
 """
 
 from __future__ import annotations
@@ -100,11 +102,26 @@ def main() -> None:
         "fwd_ms": events_median(forward),
         "fwdbwd_ms": events_median(forward_backward),
         "fwdbwd_peak_mib": peak_mib(forward_backward),
-        # the token-level causal top-w mask of the same keys (w = keep_blocks x 128), as
-        # per-key expiry rows (dmattn_cute/topw.py): its build time; no kernel reads it yet
-        "topw_expiry_ms": events_median(
-            lambda: topw_expiry(bias.detach(), args.keep_blocks * BLOCK)
-        ),
+    }
+    # The token-level causal top-w mask of the same keys (w = keep_blocks x 128), as per-key
+    # expiry rows (dmattn_cute/topw.py): its build, then the attention reading it.
+    width = args.keep_blocks * BLOCK
+    expiry = topw_expiry(bias.detach(), width)
+
+    def topw_forward():
+        with torch.no_grad():
+            flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, key_expiry=expiry)
+
+    def topw_forward_backward():
+        out = flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, key_expiry=expiry)
+        torch.autograd.grad(out, (q, k, v, bias), dout)
+
+    result |= {
+        "topw_w": width,
+        "topw_build_ms": events_median(lambda: topw_expiry(bias.detach(), width)),
+        "topw_fwd_ms": events_median(topw_forward),
+        "topw_fwdbwd_ms": events_median(topw_forward_backward),
+        "topw_fwdbwd_peak_mib": peak_mib(topw_forward_backward),
     }
     if not args.no_flex:
         try:
