@@ -186,3 +186,24 @@ def test_hopper_launches_read_the_expiry_as_their_mask(launches) -> None:
     (_, pre_args), (_, args) = launches["calls"]  # the pre-pass of the element mask, the fwd
     assert args[6].dtype == torch.uint8 and torch.equal(args[6].bool(), mask & dense)
     assert pre_args[0] is args[6]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_key_expiry_compiles_without_graph_breaks(device) -> None:
+    """Under torch.compile the expiry becomes an element mask inside the graph."""
+    from dmattn_cute import flash_dmattn_func
+    from tests.utils import random_inputs
+
+    q, k, v, _, bias = random_inputs(
+        1, 200, 300, 2, 1, 32, torch.bfloat16, device, bias_shape=(1, 1, 1, 300)
+    )
+    expiry = topw_expiry(torch.randn(1, 1, 300, device=device), 50)
+
+    def attend(q, k, v, bias, expiry):
+        return flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, key_expiry=expiry)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True)
+    torch.testing.assert_close(
+        compiled(q, k, v, bias, expiry), attend(q, k, v, bias, expiry), atol=2e-2, rtol=0
+    )
