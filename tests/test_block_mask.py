@@ -278,10 +278,10 @@ def test_backward_ands_the_mask_bits_with_the_block_bits(launches) -> None:
     _launch(128, mask, block_mask, backward=True)
     _, bits_pass, (spec, args) = launches["calls"]  # preprocess, the mask's pre-pass, the backward
     assert isinstance(spec, Sm90BwdSpec)
-    joint = args[11]
+    joint = args[12]
     assert joint.shape == (2, 1, 300, 520) and joint.stride()[0] == 0  # mask widened to B
     assert bits_pass[1][0].data_ptr() == joint.data_ptr()
-    bits = args[13]
+    bits = args[14]
     m_tiles, n_tiles = -(-300 // spec.tile.tile_m), -(-520 // spec.tile.tile_n)
     assert bits.shape == (2, 1, m_tiles, n_tiles)
     # where the block mask is False the bits are 0 whatever the pre-pass wrote

@@ -137,6 +137,54 @@ def test_block_sparse_mask():
     grads_and_check(q, k, v, mask, bias)
 
 
+@pytest.fixture
+def short_query_splits(monkeypatch):
+    """Query-range splits every 64 rows (bwd_launch.QUERY_SPLIT_ROWS), so that short problems
+    run them; the plans made meanwhile are dropped before and after."""
+    from dmattn_cute.jit import cache
+    from dmattn_cute.kernels import bwd_launch
+
+    cache.clear_memory()
+    monkeypatch.setattr(bwd_launch, "QUERY_SPLIT_ROWS", 64)
+    yield
+    cache.clear_memory()
+
+
+# (Sq, Sk, H, Hkv, D, mask shape, bias shape, flags)
+QUERY_SPLIT_CASES = {
+    # a per-query-head row bias: its column sums come from several CTAs (fp32 buffer)
+    "rows-bias-causal": (300, 200, 4, 2, 64, (2, 2, 300, 200), (2, 4, 1, 200),
+                         {"is_causal": True}),
+    # a narrow window: most shares of a key block's range hold no visible block
+    "window-gqa-full-bias": (257, 300, 8, 2, 128, (2, 2, 257, 300), (2, 2, 257, 300),
+                             {"window_size": (30, 10)}),
+    "odd-lengths-key-bias": (65, 127, 2, 1, 96, (2, 1, 1, 127), (2, 1, 1, 127), {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", QUERY_SPLIT_CASES.values(), ids=QUERY_SPLIT_CASES.keys())
+def test_query_range_splits(short_query_splits, case):
+    sq, sk, h, hkv, d, mask_shape, bias_shape, flags = case
+    q, k, v, mask, bias = random_inputs(
+        2, sq, sk, h, hkv, d, torch.bfloat16, "cuda",
+        mask_shape=mask_shape, bias_shape=bias_shape, mask_density=0.6,
+    )  # fmt: skip
+    grads_and_check(q, k, v, mask, bias, **flags)
+
+
+def test_query_range_splits_with_crowded_key_columns(short_query_splits):
+    """A few key columns visible to every query (as top-k blocks by a per-key score leave
+    them), the rest only near the diagonal: the walks the split is for."""
+    sq, sk = 1000, 513
+    q, k, v, _, bias = random_inputs(
+        1, sq, sk, 4, 2, 128, torch.float16, "cuda", bias_shape=(1, 2, 1, sk)
+    )
+    rows, cols = torch.arange(sq, device="cuda")[:, None], torch.arange(sk, device="cuda")[None]
+    crowded = (cols // 128 == 1) | (cols // 128 == 3)
+    mask = (crowded | ((rows // 2 - cols).abs() < 40)).expand(1, 2, sq, sk)
+    grads_and_check(q, k, v, mask, bias)
+
+
 def test_non_contiguous_qkv_and_mask():
     qkv = torch.randn(2, 180, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)

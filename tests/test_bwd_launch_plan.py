@@ -45,7 +45,7 @@ def test_same_layouts_reuse_the_plan(launches) -> None:
     assert kernels(launches) == once * 2
     # the second call's Hopper kernel: its own dpsum, written by its preprocess, and bits
     pre, bits, main = (args for _, args in launches["calls"][3:])
-    assert main[5] is pre[2] and main[13].data_ptr() == bits[1].data_ptr()
+    assert main[5] is pre[2] and main[14].data_ptr() == bits[1].data_ptr()
 
 
 def test_another_dbias_request_makes_another_plan(launches) -> None:
@@ -65,9 +65,30 @@ def test_heads_split_and_deterministic_rotation(launches) -> None:
     backward(None, None, heads_kv=1, batch=1, deterministic=True)
     (spec, args) = launches["calls"][-1]
     assert isinstance(spec, Sm90BwdSpec) and spec.split_heads and spec.deterministic
-    splits, rotate = args[9], args[10]
-    assert splits == 4 and rotate == 1
-    assert args[7].dtype == torch.float32 and args[16] is not None  # dk partials, dK/dV turns
+    splits, query_splits, rotate = args[9], args[10], args[11]
+    assert splits == 4 and query_splits == 1 and rotate == 1
+    assert args[7].dtype == torch.float32 and args[17] is not None  # dk partials, dK/dV turns
+
+
+def test_masked_long_walks_split_the_query_range(launches, monkeypatch) -> None:
+    """With a mask, each key block's query range is split in shares of about
+    QUERY_SPLIT_ROWS rows (fp32 dk/dv partials), and a per-query-head bias's column sums,
+    which several CTAs then add into, go to an fp32 buffer instead of being stored. Not
+    without a mask, nor deterministic."""
+    monkeypatch.setattr(bwd_launch, "QUERY_SPLIT_ROWS", 128)
+    mask = torch.rand(B, HKV, SQ, SK) < 0.5
+    rows_bias = torch.randn(B, H, 1, SK, dtype=torch.bfloat16)
+    *_, dbias = backward(mask, rows_bias)
+    spec, args = launches["calls"][-1]
+    assert isinstance(spec, Sm90BwdSpec) and spec.split_heads and args[10] == 3  # ceil(300/128)
+    assert args[7].dtype == torch.float32 and not spec.dbias.direct
+    assert args[15].dtype == torch.float32 and dbias.dtype == torch.bfloat16
+    backward(None, rows_bias)
+    spec, args = launches["calls"][-1]
+    assert args[10] == 1 and spec.dbias.direct
+    backward(mask, rows_bias, deterministic=True)
+    spec, args = launches["calls"][-1]
+    assert args[10] == 1 and spec.dbias.direct
 
 
 def test_clearing_the_kernel_memory_clears_the_plans(launches) -> None:

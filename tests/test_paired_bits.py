@@ -52,7 +52,7 @@ def test_one_pre_pass_serves_both_kernels(launches) -> None:
     bwd_spec, bwd_args = launches["calls"][-1]
     assert isinstance(fwd_spec, Sm90FwdSpec) and isinstance(bwd_spec, Sm90BwdSpec)
     assert (bits_spec.tile_m, bits_spec.tile_n) == (bwd_spec.tile.tile_m, bwd_spec.tile.tile_n)
-    assert fwd_args[8].data_ptr() == forward_bits.data_ptr() and bwd_args[13] is backward_bits
+    assert fwd_args[8].data_ptr() == forward_bits.data_ptr() and bwd_args[14] is backward_bits
     assert forward_bits.shape[2] == -(-300 // fwd_spec.tile.tile_m)
 
 

@@ -39,18 +39,21 @@ from .launch import (
 from .sm90.bwd import Sm90BwdSpec
 
 
-def dbias_plan(problem: Problem, bias_shape: torch.Size) -> tuple[str, bool, bool]:
+def dbias_plan(
+    problem: Problem, bias_shape: torch.Size, query_split: bool = False
+) -> tuple[str, bool, bool]:
     """(kind, fold_batch, fold_heads) of the dbias of a [Bm, Hm, Qm, Km] bias.
 
     kind: "zero" when Km = 1 (a per-row shift leaves the softmax unchanged, so its gradient is
-    exactly 0), "direct" when each element has a single contributing CTA (Bm = B and Hm = H;
-    stored in the bias dtype), else "sum" (an fp32 buffer). Deterministic sums over a
-    broadcast batch / all kv heads fold those dims into one CTA (see BwdSpec).
+    exactly 0), "direct" when each element has a single contributing CTA (Bm = B and Hm = H,
+    and not Qm = 1 under a query split, whose CTAs share a column; stored in the bias dtype),
+    else "sum" (an fp32 buffer). Deterministic sums over a broadcast batch / all kv heads fold
+    those dims into one CTA (see BwdSpec).
     """
-    bm, hm, _, km = bias_shape
+    bm, hm, qm, km = bias_shape
     if km == 1:
         return "zero", False, False
-    if bm == problem.batch and hm == problem.num_heads:
+    if bm == problem.batch and hm == problem.num_heads and not (query_split and qm == 1):
         return "direct", False, False
     det = problem.deterministic
     return (
@@ -76,12 +79,27 @@ def sm_count(device: torch.device, arch: str) -> int:
     return _PLANNING_SMS.get(arch, 108)
 
 
-def head_splits(problem: Problem, tile_n: int, sms: int) -> int:
+# Query rows per CTA of a masked Hopper backward's key block (about; see query_splits).
+QUERY_SPLIT_ROWS = 8192
+
+
+def query_splits(problem: Problem, masked: bool, arch: str) -> int:
+    """CTAs over which the Hopper backward splits each key block's query range. A mask (or
+    block mask) may leave a few key columns visible to almost every query (top-k blocks by a
+    per-key score): one CTA walking such a column serially sets the kernel's time at long
+    Sq, so a masked, non-deterministic call gives each CTA about QUERY_SPLIT_ROWS rows of
+    the range. A CTA whose share holds no visible block adds nothing."""
+    if not (masked and hopper_kernels(arch)) or problem.deterministic:
+        return 1
+    return -(-problem.seqlen_q // QUERY_SPLIT_ROWS)
+
+
+def head_splits(problem: Problem, tile_n: int, sms: int, query_split: int = 1) -> int:
     """CTAs per group of query heads in the Hopper backward: 1 when (key blocks x kv heads x
-    batch) CTAs fill two waves of `sms` SMs, else the smallest divisor of the group that does
-    (the group size if none does)."""
+    batch x query splits) CTAs fill two waves of `sms` SMs, else the smallest divisor of the
+    group that does (the group size if none does)."""
     group = problem.num_heads // problem.num_heads_kv
-    ctas = problem.batch * problem.num_heads_kv * -(-problem.seqlen_k // tile_n)
+    ctas = problem.batch * problem.num_heads_kv * -(-problem.seqlen_k // tile_n) * query_split
     for splits in range(1, group + 1):
         if group % splits == 0 and ctas * splits >= 2 * sms:
             return splits
@@ -124,7 +142,8 @@ def bwd_spec(
         except ValueError:
             spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
         if spec is not None:
-            if head_splits(problem, spec.tile.tile_n, sms) > 1:
+            splits = query_splits(problem, mask is not None, arch)
+            if splits > 1 or head_splits(problem, spec.tile.tile_n, sms, splits) > 1:
                 spec = Sm90BwdSpec.build(
                     arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True,
                     deterministic=problem.deterministic,
@@ -136,14 +155,15 @@ def bwd_spec(
 
 
 def _dbias_buffers(
-    problem: Problem, bias: torch.Tensor | None, bias_grad: bool, device=None
-) -> tuple[str, tuple[bool, bool], torch.Tensor | None, torch.Tensor | None]:
+    problem: Problem, bias: torch.Tensor | None, bias_grad: bool, device=None,
+    query_split: bool = False,
+) -> tuple[str, tuple[bool, bool], torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(kind, fold, dbias, dbias_buf): the dbias returned to the caller and the buffer the
     kernel writes (the same tensor for "direct"), both zeroed, on `device` (default: the
     bias's); None where there is none."""
     if bias is None or not bias_grad:
         return "zero", (False, False), None, None
-    kind, *fold = dbias_plan(problem, bias.shape)
+    kind, *fold = dbias_plan(problem, bias.shape, query_split)
     device = bias.device if device is None else device
     dbias = dbias_buf = None
     if kind == "direct":
@@ -170,7 +190,8 @@ def backward_spec_of(
     CUDA device the plan assumes `arch`'s largest GPU)."""
     mask_k, bias_k = operand_view(mask), operand_view(bias)
     # Planning only needs the buffer's strides: allocated on the meta device.
-    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta")
+    split = query_splits(problem, mask is not None, arch) > 1
+    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta", split)
     dbias_view = broadcast_view(dbias_buf)
     sms = sm_count(device or torch.device("meta"), arch)
     return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms)
@@ -253,8 +274,8 @@ def bwd_preprocess(
 class _BwdPlan(NamedTuple):
     """What one backward call launches, shared by every call with the same problem, arch,
     GPU size, mask/bias layouts and dbias request: the preprocess kernel, the variant's
-    kernel and scalars, and for the Hopper kernel its heads split, walk rotation and (with a
-    mask) the tile of its block-bits pre-pass."""
+    kernel and scalars, and for the Hopper kernel its heads and query splits, walk rotation
+    and (with a mask) the tile of its block-bits pre-pass."""
 
     pre_kernel: Any
     spec: BwdSpec | Sm90BwdSpec
@@ -262,6 +283,7 @@ class _BwdPlan(NamedTuple):
     scalars: tuple
     bits_tile: tuple[int, int] | None
     splits: int
+    query_splits: int
     rotate: int
     n_blocks: int
 
@@ -281,23 +303,28 @@ def _plan(
     sms: int,
 ) -> _BwdPlan:
     # the layout of the dbias buffer a call makes: on the meta device
-    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta")
+    split = query_splits(problem, mask is not None, arch)
+    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta", split > 1)
     spec = bwd_spec(problem, mask, bias, broadcast_view(dbias_buf), kind, fold, arch, sms)
     pre_kernel = compiled(preprocess_spec(problem.dtype, problem.head_dim), arch)
     scalars = kernel_scalars(BwdScalars, problem, mask, bias)
+    # (the dbias kind follows the query split even where the mma.sync kernel runs instead)
     bits_tile, splits, rotate, n_blocks = None, 1, 0, 0
-    if isinstance(spec, Sm90BwdSpec):
+    if not isinstance(spec, Sm90BwdSpec):
+        split = 1
+    else:
         tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
         bits_tile = (tile_m, tile_n) if mask is not None else None
-        splits = head_splits(problem, tile_n, sms) if spec.split_heads else 1
+        splits = head_splits(problem, tile_n, sms, split) if spec.split_heads else 1
         # deterministic walks start at their own key block when every key block of a
         # (batch, kv head) fits on the GPU at once and there are as many query blocks
         m_blocks = -(-problem.seqlen_q // tile_m)
         n_blocks = -(-problem.seqlen_k // tile_n)
         rotate = int(spec.deterministic and n_blocks <= min(m_blocks, sms))
     return _BwdPlan(
-        pre_kernel, spec, compiled(spec, arch), scalars, bits_tile, splits, rotate, n_blocks
-    )
+        pre_kernel, spec, compiled(spec, arch), scalars, bits_tile, splits, split, rotate,
+        n_blocks,
+    )  # fmt: skip
 
 
 def flash_bwd(
@@ -372,7 +399,9 @@ def flash_bwd(
     if dpsum.numel():
         plan.pre_kernel(out, dout, dpsum)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kind, _, dbias, dbias_buf = _dbias_buffers(problem, bias, bias_grad)
+    kind, _, dbias, dbias_buf = _dbias_buffers(
+        problem, bias, bias_grad, query_split=query_splits(problem, mask_k is not None, arch) > 1
+    )
     dbias_view = broadcast_view(dbias_buf)
     sem = None
     if problem.deterministic:
@@ -409,7 +438,8 @@ def flash_bwd(
                 device=q.device,
             )  # fmt: skip
         plan.kernel(
-            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, plan.splits, plan.rotate, mask_k,
+            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, plan.splits, plan.query_splits,
+            plan.rotate, mask_k,
             bias_k, bits, dbias_view, sem, sem_kv, *plan.scalars,
         )  # fmt: skip
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)

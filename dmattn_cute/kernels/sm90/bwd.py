@@ -3,8 +3,10 @@
 One CTA per (key block, kv head, batch), as the SM80 backward: it keeps its K and V tiles in
 shared memory and dK, dV in registers, and walks the query heads of its group and the query
 blocks its causal/window range allows. When that grid is too small for the GPU (few kv heads,
-MQA), each group's query heads are split over `head_splits` CTAs (split_heads): each adds its
-fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add. With a mask, the
+MQA), each group's query heads are split over `head_splits` CTAs; when one key block's walk
+is long enough to set the kernel's time (a masked long sequence, whose visible blocks may
+crowd into a few key columns), its query range is split over `query_splits` CTAs. Split CTAs
+(split_heads) add their fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add. With a mask, the
 block-bits pre-pass (kernels/block_bits.py, for this kernel's tiles) says which (query block,
 key block) tiles have a True element (visible) and which are all True (full): every role walks
 the same visible query blocks, a full one loads and applies no mask tile. Four roles:
@@ -98,7 +100,8 @@ class Sm90BwdSpec:
     """One Hopper backward kernel variant: the compile key, tiling and launch facts.
 
     split_heads: dk and dv are zeroed fp32 buffers that each CTA adds its partial sums into
-    (a group's heads are split over several CTAs); else they are written in the input dtype.
+    (a group's heads, or a key block's query range, are split over several CTAs); else they
+    are written in the input dtype.
     dbias: how dS reaches dbias (bwd.DbiasSpec), None without.
     deterministic: the key blocks add their dQ in a fixed order (turn counters, as turns.py),
     and split CTAs their dK/dV partial sums in split order, so dq, dk, dv are bitwise
@@ -172,7 +175,7 @@ class Sm90BwdSpec:
             sem = fake_tensor("i32", ("d", "d", "1"), 4)
             if self.split_heads:
                 sem_kv = fake_tensor("i32", ("d", "d", "1"), 4)
-        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, 0, mask, bias, bits, dbias, sem,
+        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, 1, 0, mask, bias, bits, dbias, sem,
                 sem_kv,
                 *BwdScalars(), env_stream()]  # fmt: skip
 
@@ -309,6 +312,7 @@ class FlashBwdSm90:
         mdK: cute.Tensor,  # [B, Sk, Hkv, D] (fp32, zeroed, with split_heads)
         mdV: cute.Tensor,  # [B, Sk, Hkv, D] (fp32, zeroed, with split_heads)
         head_splits: cutlass.Int32,  # CTAs per group of query heads (1 without split_heads)
+        query_splits: cutlass.Int32,  # CTAs per key block's query range (1 without split_heads)
         rotate: cutlass.Int32,  # deterministic: 1 to rotate the walks (see Walk), else 0
         mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
@@ -371,12 +375,14 @@ class FlashBwdSm90:
             tma_dk, tdK = cpasync.make_tiled_tma_atom(store, tma_view(mdK), sK_layout, (tn, dp))
             tma_dv, tdV = cpasync.make_tiled_tma_atom(store, tma_view(mdV), sV_layout, (tn, dp))
         tma_dq, tdQ = cpasync.make_tiled_tma_atom(reduce, tma_view(mdQacc), sdQ_layout, (tm, dp))
-        grid = (cute.ceil_div(mK.shape[1], tn), mK.shape[2] * head_splits, mK.shape[0])
+        splits = head_splits * query_splits
+        grid = (cute.ceil_div(mK.shape[1], tn), mK.shape[2] * splits, mK.shape[0])
         self.kernel(
             tQ, tK, tV, tdO, tdK, tdV, tdQ, mQ.shape[1], mK.shape[1], mStats, mDpsum, mMask,
             mBias, mBits, mdBias, mSem, mSemKV, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
             scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, window_left,
-            window_right, mask_head_div, bias_head_div, group, head_splits, rotate, sQ_layout,
+            window_right, mask_head_div, bias_head_div, group, head_splits, query_splits, rotate,
+            sQ_layout,
             sK_layout, sV_layout, sPdS_layout, sdQ_layout, sKV32_layout, mma_sdp, mma_dkv,
             mma_dq,
         ).launch(
@@ -422,6 +428,7 @@ class FlashBwdSm90:
         bias_head_div: cutlass.Int32,
         group: cutlass.Int32,
         head_splits: cutlass.Int32,
+        query_splits: cutlass.Int32,
         rotate: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -440,20 +447,29 @@ class FlashBwdSm90:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq):
                 cpasync.prefetch_descriptor(atom)
         n_block, hk_split, b = cute.arch.block_idx()
-        # kv head hk, and the `heads` query heads of its group from h_first on
-        hk = hk_split // head_splits
+        # kv head hk; head part: the `heads` query heads of its group from h_first on; query
+        # part: an equal share of the key block's query range
+        splits = head_splits * query_splits
+        hk = hk_split // splits
+        split = hk_split - hk * splits
+        query_part = split // head_splits
+        head_part = split - query_part * head_splits
         heads = group // head_splits
         limits = masking.BlockLimits(
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
         m_block_min, m_block_max = limits.query_block_range(n_block)
+        if cutlass.const_expr(spec.split_heads):
+            share = cute.ceil_div(cutlass.max(m_block_max - m_block_min, 0), query_splits)
+            m_block_min = m_block_min + query_part * share
+            m_block_max = cutlass.min(m_block_max, m_block_min + share)
         m_blocks, n_blocks = cute.ceil_div(seqlen_q, tm), cute.ceil_div(seqlen_k, tn)
         m_rotate = cutlass.Int32(0)
         if cutlass.const_expr(spec.deterministic):
             m_rotate = n_block * rotate
         walk = Walk(
-            b, hk, n_block, hk * group + (hk_split - hk * head_splits) * heads, heads,
-            m_block_min, m_block_max, m_blocks, n_blocks, hk_split - hk * head_splits, m_rotate,
+            b, hk, n_block, hk * group + head_part * heads, heads,
+            m_block_min, m_block_max, m_blocks, n_blocks, head_part, m_rotate,
             rotate, mask_head_div,
             bias_head_div, mBits, 2 if spec.deterministic else 1,
         )  # fmt: skip
@@ -778,6 +794,7 @@ class FlashBwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
+        steps = cutlass.Int32(0)  # the same in every MMA thread: they walk the same blocks
         for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
             for seg in cutlass.range_constexpr(walk.segments):
                 lo, hi = walk.segment(seg)
@@ -785,11 +802,13 @@ class FlashBwdSm90:
                     for m_block in cutlass.range(lo, hi, unroll=1):
                         self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
                         state.advance()
+                        steps += 1
                 else:
                     m_block = walk.next_visible(h, lo, hi)
                     while m_block < hi:
                         self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
                         state.advance()
+                        steps += 1
                         m_block = walk.next_visible(h, m_block + 1, hi)
             if cutlass.const_expr(dbias is not None):
                 if cutlass.const_expr(spec.dbias.rows_summed):
@@ -803,17 +822,28 @@ class FlashBwdSm90:
             tiles.acc_to_smem(acc_dK, self.dtype, r2s, mma_dkv, tidx, sK)
             tiles.acc_to_smem(acc_dV, self.dtype, r2s, mma_dkv, tidx, sV)
             self.store_tiles(((tma_dk, tdK, sK), (tma_dv, tdV, sV)), walk, tidx)
+        elif cutlass.const_expr(spec.deterministic):
+            # fp32 partial sums, one after the other over sK and sV, added by TMA reduce-add
+            # in split order (this CTA's turn from the dK add to the dV one)
+            turns = DqTurns(mSemKV, tidx)
+            turns.take(walk.b, walk.hk, walk.n_block, walk.split)
+            self.add_partial_sums(walk, tidx, acc_dK, acc_dV, mma_dkv, sKV32, tma_dk, tdK,
+                                  tma_dv, tdV, turns)  # fmt: skip
         else:
-            # fp32 partial sums, one after the other over sK and sV, added by TMA reduce-add;
-            # deterministic: in split order (this CTA's turn from the dK add to the dV one)
-            turns = None
-            if cutlass.const_expr(spec.deterministic):
-                turns = DqTurns(mSemKV, tidx)
-                turns.take(walk.b, walk.hk, walk.n_block, walk.split)
-            self.store_tiles(((tma_dk, tdK, sKV32),), walk, tidx, acc_dK, mma_dkv)
-            # the reduce has read the tile before dV overwrites it
-            cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=_MMA_THREADS)
-            self.store_tiles(((tma_dv, tdV, sKV32),), walk, tidx, acc_dV, mma_dkv, turns)
+            if steps > 0:  # a split CTA that walked no block has nothing to add
+                self.add_partial_sums(walk, tidx, acc_dK, acc_dV, mma_dkv, sKV32, tma_dk, tdK,
+                                      tma_dv, tdV)  # fmt: skip
+
+    @cute.jit
+    def add_partial_sums(
+        self, walk, tidx, acc_dK, acc_dV, mma_dkv, sKV32, tma_dk, tdK, tma_dv, tdV, turns=None
+    ):
+        """dK then dV as fp32 tiles over sK / sV, added into the zeroed buffers by TMA
+        reduce-add (with `turns`: passed on once the dV addition is done)."""
+        self.store_tiles(((tma_dk, tdK, sKV32),), walk, tidx, acc_dK, mma_dkv)
+        # the reduce has read the tile before dV overwrites it
+        cute.arch.barrier(barrier_id=_EPILOGUE, number_of_threads=_MMA_THREADS)
+        self.store_tiles(((tma_dv, tdV, sKV32),), walk, tidx, acc_dV, mma_dkv, turns)
 
     @cute.jit
     def mma_step(self, mm, walk, h, m_block, state, acc_dK, acc_dV):
