@@ -256,3 +256,15 @@ def test_backward_memory():
         f"fp32 {bias_fp32 / 2**20:.3f} MiB + dpsum {dpsum / 2**20:.3f} MiB"
     )
     assert extra <= dq_acc + bias_fp32 + dpsum + 2**20
+
+
+def test_query_range_splits_with_key_expiry(short_query_splits):
+    """Top-w expiry rows (the crowded columns of a per-key top-w) through split walks."""
+    from dmattn_cute.topw import topw_expiry
+    from tests.test_topw import expiry_and_grads
+
+    q, k, v, _, bias = random_inputs(
+        2, 400, 400, 4, 2, 128, torch.bfloat16, "cuda", bias_shape=(2, 2, 1, 400)
+    )
+    expiry = topw_expiry(bias[:, :, 0].float(), 48)
+    expiry_and_grads(q, k, v, None, bias, expiry, is_causal=True)

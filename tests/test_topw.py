@@ -174,7 +174,7 @@ def test_hopper_launches_read_the_expiry_as_their_mask(launches) -> None:
               key_expiry=expiry)  # fmt: skip
     (fwd, fwd_args), _, (bwd, bwd_args) = launches["calls"]  # fwd, bwd preprocess, bwd
     assert isinstance(fwd, Sm90FwdSpec) and isinstance(bwd, Sm90BwdSpec)
-    for spec, mask, bits in ((fwd, fwd_args[6], fwd_args[8]), (bwd, bwd_args[11], bwd_args[13])):
+    for spec, mask, bits in ((fwd, fwd_args[6], fwd_args[8]), (bwd, bwd_args[12], bwd_args[14])):
         assert spec.mask.dtype == "i32" and mask.dtype == torch.int32
         assert mask.shape == (2, 2, 1, sk) and mask.stride(2) == 0
         tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
@@ -207,3 +207,20 @@ def test_key_expiry_compiles_without_graph_breaks(device) -> None:
     torch.testing.assert_close(
         compiled(q, k, v, bias, expiry), attend(q, k, v, bias, expiry), atol=2e-2, rtol=0
     )
+
+
+def test_an_expiry_splits_long_walks(launches, monkeypatch) -> None:
+    """An expiry is a mask to the backward's query split: long walks split (fp32 partials)."""
+    from dmattn_cute.kernels import bwd_launch
+    from dmattn_cute.problem import make_problem
+
+    monkeypatch.setattr(bwd_launch, "QUERY_SPLIT_ROWS", 128)
+    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 300, 2, 64, dtype=torch.bfloat16)
+    problem, _, _ = make_problem(q, k, k, None, None, None, True, 0.0, (-1, -1), False)
+    expiry = topw_expiry(torch.randn(2, 2, 300), 64)
+    out, stats = torch.randn_like(q), torch.zeros(2, 4, 2, 300)
+    bwd_launch.flash_bwd(problem, torch.randn_like(q), q, k, k, None, None, out, stats, False,
+                         key_expiry=expiry)  # fmt: skip
+    spec, args = launches["calls"][-1]
+    assert spec.split_heads and args[10] == 3 and args[7].dtype == torch.float32
