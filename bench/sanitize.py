@@ -6,7 +6,8 @@ The mask has all-False key blocks and rows (skipped tiles), the bias is [1, H, 1
 column sums across the heads of a group), GQA 2/1 and a sliding window; the backward runs
 once in default mode (atomics; on Hopper the wgmma backward) and once deterministic (turn
 counters). Then a forward and backward with a full [1, H, S, S] bias and softcap (on Hopper:
-the bias by TMA in the forward), and a causal one without mask or bias.
+the bias by TMA in the forward), a causal one without mask or bias, and a causal one with
+top-w expiry rows (key_expiry) whose backward splits its walks.
 """
 
 from __future__ import annotations
@@ -66,6 +67,27 @@ def main() -> None:
     ours = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     flash_dmattn_func(*ours, is_causal=True).backward(dout)
     assert all(t.grad.isfinite().all() for t in ours)
+    # Top-w expiry rows as the kernels' mask, with the backward's query range split every
+    # 128 rows (split CTAs, some with empty shares, adding fp32 partial sums).
+    from dmattn_cute.kernels import bwd_launch
+    from dmattn_cute.topw import expiry_mask, topw_expiry
+
+    bwd_launch.QUERY_SPLIT_ROWS = 128
+    expiry = topw_expiry(bias[:, :, 0].float()[:, :1], 200)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_topw, _ = attention_ref(*leaves, expiry_mask(expiry, s), is_causal=True)
+    ref_topw.backward(dout.float())
+    ours = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_dmattn_func(*ours, is_causal=True, key_expiry=expiry)
+    out.backward(dout)
+    err = (out.float() - ref_topw).abs().max().item()
+    grads = {
+        name: ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
+        for name, got, want in zip(("dq", "dk", "dv"), ours, leaves, strict=True)
+    }
+    print(f"top-w expiry, split walks: max abs err out {err:.3e}, rel err "
+          + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
+    assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
 
 
 if __name__ == "__main__":
