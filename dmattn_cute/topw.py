@@ -40,8 +40,10 @@ def topw_expiry(scores: Tensor, w: int, chunk: int = 64) -> Tensor:
     lead, seqlen = scores.shape[:-1], scores.shape[-1]
     flat = scores.reshape(-1, seqlen)
     order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(seqlen, device=flat.device).expand_as(order))
+    # int32 ranks: half the bytes of every sort and merge below
+    ranks = torch.empty(order.shape, dtype=torch.int32, device=flat.device)
+    steps = torch.arange(seqlen, dtype=torch.int32, device=flat.device)
+    ranks.scatter_(1, order, steps.expand(order.shape))
     # about 5 bytes per (position, candidate) of temporaries: rows in groups of ~1 GiB
     group = max(1, _TEMP_BYTES // (5 * seqlen * (2 * chunk + 1)))
     h = torch.cat([_running_wth_smallest(part, w, chunk) for part in ranks.split(group)])
