@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dmattn_cute.jit.arch import device_arch
+from dmattn_cute.memo import remember
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -304,18 +305,16 @@ def check_problem(
             query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
             window_size, deterministic,
         )  # fmt: skip
-        problem = _VALIDATED.get(signature) if signature is not None else None
-        if problem is not None:
-            return problem
-    problem = _validate(
-        query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
-        window_size, deterministic,
-    )  # fmt: skip
-    if signature is not None:
-        if len(_VALIDATED) >= _VALIDATED_MAX:
-            _VALIDATED.clear()
-        _VALIDATED[signature] = problem
-    return problem
+
+    def validate() -> Problem:
+        return _validate(
+            query, key, value, attn_mask, attn_bias, softmax_scale, is_causal, softcap,
+            window_size, deterministic,
+        )  # fmt: skip
+
+    if signature is None:
+        return validate()
+    return remember(_VALIDATED, signature, validate, _VALIDATED_MAX)
 
 
 # Problems of validated call signatures (check_problem); cleared when full.

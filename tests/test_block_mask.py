@@ -307,3 +307,22 @@ def test_compiles_without_graph_breaks(device) -> None:
     torch.testing.assert_close(
         compiled(q, k, v, bias, block_mask), attend(q, k, v, bias, block_mask), atol=2e-2, rtol=0
     )
+
+
+def test_the_bits_decision_is_made_once_per_layout(launches, monkeypatch) -> None:
+    """Whether a kernel reads the block mask as bits is decided once per problem and layouts,
+    not by building a variant in every call (forward and backward)."""
+    from dmattn_cute.kernels import bwd_launch, fwd_launch
+
+    built = []
+    for module, name in ((fwd_launch, "fwd_spec"), (bwd_launch, "backward_spec_of")):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _r=real, _n=name, **k: built.append(_n) or _r(*a, **k)
+        )
+        monkeypatch.setattr(module, "_VARIANTS", {})
+    block_mask = random_block_mask((2, 4, 3, 5), 0.5, "cpu")
+    for _ in range(3):
+        _launch(64, None, block_mask)
+        _launch(64, None, block_mask, backward=True)
+    assert built.count("fwd_spec") == 1 and built.count("backward_spec_of") == 1

@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from ..block_mask import BLOCK, with_block_mask
+from ..memo import remember
 from ..problem import Problem, broadcast_view
 from .masking import FULL, VISIBLE
 
@@ -50,12 +51,10 @@ _MEMO_MAX = 16
 
 
 def _all_true(seqlen_k: int, device: torch.device) -> torch.Tensor:
-    key = (seqlen_k, device)
-    if key not in _ALL_TRUE:
-        if len(_ALL_TRUE) >= _MEMO_MAX:
-            _ALL_TRUE.clear()
-        _ALL_TRUE[key] = torch.ones((1, 1, 1, seqlen_k), dtype=torch.bool, device=device)
-    return _ALL_TRUE[key]
+    return remember(
+        _ALL_TRUE, (seqlen_k, device),
+        lambda: torch.ones((1, 1, 1, seqlen_k), dtype=torch.bool, device=device), _MEMO_MAX,
+    )  # fmt: skip
 
 
 def block_bits(
@@ -69,13 +68,13 @@ def block_bits(
         return _block_bits(block_mask, problem, tile_m, tile_n, heads)
     key = (id(block_mask), block_mask._version, problem.seqlen_q, problem.seqlen_k, tile_m,
            tile_n, heads)  # fmt: skip
-    hit = _BITS.get(key)
-    if hit is not None and hit[0]() is block_mask:
-        return hit[1]
-    bits = _block_bits(block_mask, problem, tile_m, tile_n, heads)
-    if len(_BITS) >= _MEMO_MAX:
-        _BITS.clear()
-    _BITS[key] = (weakref.ref(block_mask), bits)
+
+    def entry():
+        return weakref.ref(block_mask), _block_bits(block_mask, problem, tile_m, tile_n, heads)
+
+    owner, bits = remember(_BITS, key, entry, _MEMO_MAX)
+    if owner() is not block_mask:  # another tensor that took a dead one's id
+        owner, bits = _BITS[key] = entry()
     return bits
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled, holds_kernels
+from ..memo import remember
 from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
 from . import expiry_launch
 from .block_bits import BlockBitsSpec
@@ -327,6 +328,23 @@ def _plan(
     )  # fmt: skip
 
 
+# The variant a mask view (not yet planned) would run, by problem, arch, GPU size, the mask's
+# and bias's layouts and the dbias request: what decides how a block mask is read, without a
+# variant (and a meta dbias buffer) built per call.
+_VARIANTS: dict[tuple, BwdSpec | Sm90BwdSpec] = {}
+
+
+def _variant(problem, mask, bias, bias_grad: bool, arch: str, device) -> BwdSpec | Sm90BwdSpec:
+    key = (
+        problem, arch, hopper_kernels(arch), sm_count(device, arch),
+        kernel_layout(operand_view(mask)), kernel_layout(operand_view(bias)),
+        bias_grad and bias is not None,
+    )  # fmt: skip
+    return remember(
+        _VARIANTS, key, lambda: backward_spec_of(problem, mask, bias, bias_grad, arch, device)
+    )
+
+
 def flash_bwd(
     problem: Problem,
     dout: torch.Tensor,
@@ -361,19 +379,16 @@ def flash_bwd(
             problem, arch, hopper_kernels(arch), sms, kernel_layout(mask_k), kernel_layout(bias_k),
             bias_grad and bias is not None and (bias.shape, bias.dtype),
         )  # fmt: skip
-        plan = _PLANS.get(key)
-        if plan is None:
-            if len(_PLANS) >= _PLANS_MAX:
-                _PLANS.clear()
-            plan = _PLANS[key] = _plan(problem, mask_k, bias_k, bias_grad, arch, sms)
-        return plan
+        return remember(
+            _PLANS, key, lambda: _plan(problem, mask_k, bias_k, bias_grad, arch, sms), _PLANS_MAX
+        )
 
     expiry = None  # the expiry view, where the kernel reads it as its mask (as flash_fwd)
     if key_expiry is not None:
         view = broadcast_view(key_expiry)
         spec = None
         if mask is None and block_mask is None:
-            spec = backward_spec_of(problem, view, bias, bias_grad, arch, q.device)
+            spec = _variant(problem, view, bias, bias_grad, arch, q.device)
         if isinstance(spec, Sm90BwdSpec):
             expiry = mask = view
         else:
@@ -382,7 +397,7 @@ def flash_bwd(
     if block_mask is not None:
         joint = joint_mask(mask, block_mask, problem)
         if joint is not None:
-            spec = backward_spec_of(problem, joint, bias, bias_grad, arch, q.device)
+            spec = _variant(problem, joint, bias, bias_grad, arch, q.device)
             if isinstance(spec, Sm90BwdSpec) and tiles_nest(spec.tile.tile_m, spec.tile.tile_n):
                 blocks, mask_given, mask = block_mask, mask is not None, joint
         if blocks is None:

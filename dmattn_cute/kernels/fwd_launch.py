@@ -14,6 +14,7 @@ import torch
 
 from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled, holds_kernels
+from ..memo import remember
 from ..problem import Problem, broadcast_view
 from . import expiry_launch
 from .block_bits import BlockBitsSpec
@@ -126,12 +127,18 @@ def _plan(
 
 def _plan_of(problem: Problem, mask, bias, arch: str) -> _FwdPlan:
     key = (problem, arch, hopper_kernels(arch), kernel_layout(mask), kernel_layout(bias))
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(problem, mask, bias, arch)
-    return plan
+    return remember(_PLANS, key, lambda: _plan(problem, mask, bias, arch), _PLANS_MAX)
+
+
+# The variant a mask view (not yet planned) would run, by problem, arch and the mask's and
+# bias's layouts: what decides how a block mask is read, without a variant built per call.
+_VARIANTS: dict[tuple, FwdSpec | Sm90FwdSpec] = {}
+
+
+def _variant(problem: Problem, mask: torch.Tensor, bias, arch: str) -> FwdSpec | Sm90FwdSpec:
+    view = operand_view(mask)
+    key = (problem, arch, hopper_kernels(arch), kernel_layout(view), kernel_layout(bias))
+    return remember(_VARIANTS, key, lambda: fwd_spec(problem, view, bias, arch))
 
 
 def flash_fwd(
@@ -169,7 +176,7 @@ def flash_fwd(
     if key_expiry is not None:
         view = broadcast_view(key_expiry)
         alone = mask is None and block_mask is None and hopper_kernels(arch)
-        if alone and isinstance(fwd_spec(problem, view, bias, arch), Sm90FwdSpec):
+        if alone and isinstance(_variant(problem, view, bias, arch), Sm90FwdSpec):
             expiry = mask = view
         else:
             mask = expiry_launch.element_mask(mask, key_expiry, problem)
@@ -177,7 +184,7 @@ def flash_fwd(
     if block_mask is not None:
         joint = joint_mask(mask, block_mask, problem) if hopper_kernels(arch) else None
         if joint is not None:
-            tile = fwd_spec(problem, operand_view(joint), bias, arch).tile  # nothing compiled
+            tile = _variant(problem, joint, bias, arch).tile  # nothing compiled
             if tiles_nest(tile.tile_m, tile.tile_n):
                 blocks, mask_given, mask = block_mask, mask is not None, joint
         if blocks is None:

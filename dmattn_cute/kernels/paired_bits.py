@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..jit.arch import hopper_kernels
+from ..memo import remember
 from .block_bits import BlockBitsSpec
 from .block_bits_launch import kernel_bits_view, launch_block_bits
 from .bwd_launch import backward_spec_of
@@ -47,7 +48,6 @@ def _pairing(problem, mask, bias, bias_grad: bool, arch: str, device):
 
 # _pairing by (problem, arch, kernel family, device, mask/bias layouts, dbias request).
 _PAIRINGS: dict[tuple, tuple | None] = {}
-_PAIRINGS_MAX = 256
 
 
 def paired_bits(
@@ -66,11 +66,9 @@ def paired_bits(
         kernel_layout(bias),
         bias_grad,
     )
-    if key not in _PAIRINGS:
-        if len(_PAIRINGS) >= _PAIRINGS_MAX:
-            _PAIRINGS.clear()
-        _PAIRINGS[key] = _pairing(problem, mask, bias, bias_grad, arch, device)
-    pairing = _PAIRINGS[key]
+    pairing = remember(
+        _PAIRINGS, key, lambda: _pairing(problem, mask, bias, bias_grad, arch, device)
+    )
     if pairing is None:
         return None
     spec, fwd_m, bwd_m = pairing
