@@ -275,8 +275,9 @@ def bwd_preprocess(
 class _BwdPlan(NamedTuple):
     """What one backward call launches, shared by every call with the same problem, arch,
     GPU size, mask/bias layouts and dbias request: the preprocess kernel, the variant's
-    kernel and scalars, and for the Hopper kernel its heads and query splits, walk rotation
-    and (with a mask) the tile of its block-bits pre-pass."""
+    kernel and scalars, the query split (query_splits: the dbias kind follows it, only the
+    Hopper kernel runs it), and for the Hopper kernel its heads split, walk rotation and
+    (with a mask) the tile of its block-bits pre-pass."""
 
     pre_kernel: Any
     spec: BwdSpec | Sm90BwdSpec
@@ -309,11 +310,8 @@ def _plan(
     spec = bwd_spec(problem, mask, bias, broadcast_view(dbias_buf), kind, fold, arch, sms)
     pre_kernel = compiled(preprocess_spec(problem.dtype, problem.head_dim), arch)
     scalars = kernel_scalars(BwdScalars, problem, mask, bias)
-    # (the dbias kind follows the query split even where the mma.sync kernel runs instead)
     bits_tile, splits, rotate, n_blocks = None, 1, 0, 0
-    if not isinstance(spec, Sm90BwdSpec):
-        split = 1
-    else:
+    if isinstance(spec, Sm90BwdSpec):
         tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
         bits_tile = (tile_m, tile_n) if mask is not None else None
         splits = head_splits(problem, tile_n, sms, split) if spec.split_heads else 1
@@ -415,7 +413,7 @@ def flash_bwd(
         plan.pre_kernel(out, dout, dpsum)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kind, _, dbias, dbias_buf = _dbias_buffers(
-        problem, bias, bias_grad, query_split=query_splits(problem, mask_k is not None, arch) > 1
+        problem, bias, bias_grad, query_split=plan.query_splits > 1
     )
     dbias_view = broadcast_view(dbias_buf)
     sem = None
