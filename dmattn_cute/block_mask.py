@@ -78,15 +78,20 @@ def with_block_mask(
     """attn_mask and the block mask as one element mask (materialized: the paths that cannot
     read the block mask as block bits), of their broadcast shape. A 4-D or 3-D attn_mask;
     `group` = H / Hkv maps an Hkv head dim onto an H one."""
-    expanded = expand_block_mask(block_mask, seqlen_q, seqlen_k)
+    return and_masks(attn_mask, expand_block_mask(block_mask, seqlen_q, seqlen_k), group)
+
+
+def and_masks(attn_mask: Tensor | None, mask: Tensor, group: int) -> Tensor:
+    """attn_mask (4-D, 3-D or None) ANDed with a 4-D element mask, of their broadcast shape;
+    `group` = H / Hkv maps an Hkv head dim onto an H one."""
     if attn_mask is None:
-        return expanded
-    mask = attn_mask.unsqueeze(2) if attn_mask.dim() == 3 else attn_mask
-    heads = max(mask.shape[1], expanded.shape[1])
-    mask, expanded = (
-        t.repeat_interleave(group, 1) if 1 < t.shape[1] < heads else t for t in (mask, expanded)
+        return mask
+    first = attn_mask.unsqueeze(2) if attn_mask.dim() == 3 else attn_mask
+    heads = max(first.shape[1], mask.shape[1])
+    first, mask = (
+        t.repeat_interleave(group, 1) if 1 < t.shape[1] < heads else t for t in (first, mask)
     )
-    return mask & expanded
+    return first & mask
 
 
 def create_block_mask(
@@ -161,6 +166,7 @@ def _visible_blocks(
 
 __all__ = [
     "BLOCK",
+    "and_masks",
     "block_counts",
     "check_block_mask",
     "create_block_mask",

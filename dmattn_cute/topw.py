@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dmattn_cute.block_mask import and_masks
+
 _TEMP_BYTES = 1 << 30
 
 
@@ -134,15 +136,7 @@ def with_key_expiry(
     head dim onto an H one."""
     seqlen_k = key_expiry.shape[-1]
     positions = torch.arange(seqlen_q, device=key_expiry.device) + (seqlen_k - seqlen_q)
-    rows = positions[:, None] < key_expiry[:, :, None, :]
-    if attn_mask is None:
-        return rows
-    mask = attn_mask.unsqueeze(2) if attn_mask.dim() == 3 else attn_mask
-    heads = max(mask.shape[1], rows.shape[1])
-    mask, rows = (
-        t.repeat_interleave(group, 1) if 1 < t.shape[1] < heads else t for t in (mask, rows)
-    )  # fmt: skip
-    return mask & rows
+    return and_masks(attn_mask, positions[:, None] < key_expiry[:, :, None, :], group)
 
 
 __all__ = ["check_key_expiry", "expiry_mask", "topw_expiry", "with_key_expiry"]
