@@ -4,8 +4,11 @@ shapes, so a table that is emptied when full keeps them all without an eviction 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import TypeVar
+
+import torch
 
 Value = TypeVar("Value")
 _MISSING = object()
@@ -22,4 +25,24 @@ def remember(table: dict, key: Hashable, make: Callable[[], Value], limit: int =
     return value
 
 
-__all__ = ["remember"]
+def remember_for(
+    table: dict, tensor: torch.Tensor, key: Hashable, make: Callable[[], Value], limit: int = 16
+) -> Value:
+    """What make() derives from `tensor` (and key), remembered for that tensor while it is
+    unchanged: it is held weakly (another tensor that takes a dead one's id misses) and keyed
+    by its version (an in-place change misses). An inference tensor, which has no version
+    counter, is not remembered."""
+    if tensor.is_inference():
+        return make()
+    slot = (id(tensor), tensor._version, key)
+
+    def entry():
+        return weakref.ref(tensor), make()
+
+    owner, value = remember(table, slot, entry, limit)
+    if owner() is not tensor:
+        owner, value = table[slot] = entry()
+    return value
+
+
+__all__ = ["remember", "remember_for"]

@@ -18,3 +18,27 @@ def test_remember_makes_once_keeps_none_and_empties_when_full() -> None:
     assert made == [1, None]
     assert remember(table, "c", make(4), limit=2) == 4  # full: emptied, then stored
     assert table == {"c": 4}
+
+
+def test_remember_for_follows_the_tensor_and_its_version() -> None:
+    import torch
+
+    from dmattn_cute.memo import remember_for
+
+    table, made = {}, []
+    t = torch.zeros(3)
+
+    def derive(x):
+        return lambda: made.append(1) or x.sum().item()
+
+    assert remember_for(table, t, "k", derive(t)) == 0
+    assert remember_for(table, t, "k", derive(t)) == 0 and len(made) == 1  # a hit
+    t += 1  # in place: its version moves
+    assert remember_for(table, t, "k", derive(t)) == 3 and len(made) == 2
+    other = t.clone()
+    assert remember_for(table, other, "k", derive(other)) == 3 and len(made) == 3
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    remember_for(table, frozen, "k", derive(frozen))
+    remember_for(table, frozen, "k", derive(frozen))
+    assert len(made) == 5  # not remembered

@@ -11,12 +11,10 @@ one head divisor indexes both. Everything else runs on the element mask (with_bl
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..block_mask import BLOCK, with_block_mask
-from ..memo import remember
+from ..memo import remember, remember_for
 from ..problem import Problem, broadcast_view
 from .masking import FULL, VISIBLE
 
@@ -43,10 +41,9 @@ def joint_mask(
 
 # Key masks of Sk True bytes by (Sk, device): read-only, never written by a kernel.
 _ALL_TRUE: dict[tuple, torch.Tensor] = {}
-# Bits of recent block masks, by the tensor (held weakly: a new tensor at a reused id misses)
-# and its version (an in-place change misses): one block mask usually serves every layer's
+# Bits of recent block masks (memo.remember_for): one block mask usually serves every layer's
 # forward and backward of a step, and its bits take ten small launches to build.
-_BITS: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+_BITS: dict[tuple, tuple] = {}
 _MEMO_MAX = 16
 
 
@@ -64,18 +61,10 @@ def block_bits(
     nest in blocks, tiles_nest) from a block mask, its head dim widened to `heads` (the joint
     mask's); one row for a query-broadcast block mask unless Sq has a tail tile. Memoized per
     block mask; the result is shared and must not be written."""
-    if block_mask.is_inference():  # no version counter to tell an in-place change
-        return _block_bits(block_mask, problem, tile_m, tile_n, heads)
-    key = (id(block_mask), block_mask._version, problem.seqlen_q, problem.seqlen_k, tile_m,
-           tile_n, heads)  # fmt: skip
-
-    def entry():
-        return weakref.ref(block_mask), _block_bits(block_mask, problem, tile_m, tile_n, heads)
-
-    owner, bits = remember(_BITS, key, entry, _MEMO_MAX)
-    if owner() is not block_mask:  # another tensor that took a dead one's id
-        owner, bits = _BITS[key] = entry()
-    return bits
+    key = (problem.seqlen_q, problem.seqlen_k, tile_m, tile_n, heads)
+    return remember_for(
+        _BITS, block_mask, key, lambda: _block_bits(block_mask, problem, tile_m, tile_n, heads)
+    )
 
 
 def _block_bits(
