@@ -224,3 +224,20 @@ def test_an_expiry_splits_long_walks(launches, monkeypatch) -> None:
                          key_expiry=expiry)  # fmt: skip
     spec, args = launches["calls"][-1]
     assert spec.split_heads and args[10] == 3 and args[7].dtype == torch.float32
+
+
+def test_expiry_bits_are_built_once_per_expiry() -> None:
+    """An expiry's bits are memoized per tensor (memo.remember_for), as a block mask's."""
+    from dmattn_cute.kernels.expiry_launch import expiry_bits
+    from dmattn_cute.problem import make_problem
+
+    q, k = (
+        torch.randn(1, 300, 2, 32, dtype=torch.bfloat16),
+        torch.randn(1, 300, 1, 32, dtype=torch.bfloat16),
+    )
+    problem, _, _ = make_problem(q, k, k, None, None, None, True, 0.0, (-1, -1), False)
+    expiry = topw_expiry(torch.randn(1, 1, 300), 40)
+    first = expiry_bits(expiry, problem, 128, 128)
+    assert expiry_bits(expiry, problem, 128, 128) is first
+    expiry[..., 0] = 0  # in place: rebuilt
+    assert expiry_bits(expiry, problem, 128, 128) is not first

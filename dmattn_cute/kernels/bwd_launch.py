@@ -432,7 +432,7 @@ def flash_bwd(
                     raise ValueError(f"bits: expected {tiles} tiles, got {tuple(given.shape)}")
                 bits = given
             elif expiry is not None:
-                bits = expiry_launch.expiry_bits(expiry, problem, *plan.bits_tile)
+                bits = expiry_launch.expiry_bits(key_expiry, problem, *plan.bits_tile)
             elif blocks is None or mask_given:
                 bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
             if blocks is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..memo import remember_for
 from ..problem import Problem, broadcast_view
 from ..topw import with_key_expiry
 from .block_bits_launch import kernel_bits_view
@@ -22,17 +23,34 @@ from .masking import FULL, VISIBLE
 _NEVER = torch.iinfo(torch.int32).max
 
 
-def expiry_bits(expiry: torch.Tensor, problem: Problem, tile_m: int, tile_n: int) -> torch.Tensor:
+# Bits of recent expiries (memo.remember_for): one expiry usually serves every layer's forward
+# and backward of a step, and its bits take about ten small launches to build.
+_BITS: dict[tuple, tuple] = {}
+
+
+def expiry_bits(
+    key_expiry: torch.Tensor, problem: Problem, tile_m: int, tile_n: int
+) -> torch.Tensor:
     """The bits of (tile_m, tile_n) tiles as the kernels index them (kernel_bits_view), from
-    an expiry view [Be, He, 1, Sk] (problem.broadcast_view)."""
+    key_expiry [Be, He, Sk]; memoized per expiry tensor, the result shared and not to be
+    written."""
+    key = (problem.seqlen_q, problem.seqlen_k, tile_m, tile_n)
+    return remember_for(
+        _BITS, key_expiry, key, lambda: _expiry_bits(key_expiry, problem, tile_m, tile_n)
+    )
+
+
+def _expiry_bits(
+    key_expiry: torch.Tensor, problem: Problem, tile_m: int, tile_n: int
+) -> torch.Tensor:
     seqlen_q, seqlen_k = problem.seqlen_q, problem.seqlen_k
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
-    rows = expiry[:, :, 0]
+    rows = key_expiry
     pad = n_blocks * tile_n - seqlen_k
     blocks = (*rows.shape[:2], n_blocks, tile_n)
     longest = F.pad(rows, (0, pad), value=0).reshape(blocks).amax(-1)
     shortest = F.pad(rows, (0, pad), value=_NEVER).reshape(blocks).amin(-1)
-    first = torch.arange(m_blocks, device=expiry.device) * tile_m
+    first = torch.arange(m_blocks, device=key_expiry.device) * tile_m
     last = torch.clamp(first + tile_m, max=seqlen_q) - 1
     shift = seqlen_k - seqlen_q  # rows in key positions (bottom-right aligned)
     visible = longest[:, :, None, :] > (first + shift)[:, None]

@@ -204,7 +204,7 @@ def flash_fwd(
     plan = _plan_of(problem, mask, bias, arch)
     if expiry is not None:
         tile = plan.spec.tile
-        bits = expiry_launch.expiry_bits(expiry, problem, tile.tile_m, tile.tile_n)
+        bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)
         plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, *plan.scalars)
     elif plan.bits_kernel is not None:
         if bits is not None:
