@@ -10,7 +10,7 @@ import torch
 
 from dmattn_cute import flash_dmattn_func, precompile
 from dmattn_cute.jit import cache, target_arch
-from tests.utils import grads_and_check
+from tests.utils import expiry_grads_and_check, grads_and_check
 
 pytestmark = pytest.mark.gpu
 
@@ -35,8 +35,13 @@ def test_precompiled_kernels_load_with_zero_compiles(
     patterns = precompile.call_patterns(["bf16"], [64])
     for pattern in patterns:
         q, k, v, mask, bias = pattern.inputs("cuda", seqlen=256)
-        grads_and_check(q, k, v, mask, bias, **pattern.options())
-        out = flash_dmattn_func(q, k, v, mask, bias, **pattern.options())
+        if mask is not None and mask.dtype == torch.int32:
+            # precompile's "expiry" operand: top-w expiry rows, passed as key_expiry
+            expiry_grads_and_check(q, k, v, None, bias, mask, **pattern.options())
+            out = flash_dmattn_func(q, k, v, None, bias, key_expiry=mask, **pattern.options())
+        else:
+            grads_and_check(q, k, v, mask, bias, **pattern.options())
+            out = flash_dmattn_func(q, k, v, mask, bias, **pattern.options())
         assert out.isfinite().all()
     loaded = cache.load_count() - loads
     # what the calls ran: one variant of each kernel (the Hopper backward's heads split or

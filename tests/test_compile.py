@@ -340,16 +340,17 @@ def test_block_bits_compile(target: str, mask: OperandSpec, tile_m: int, tile_n:
 EXPIRY = OperandSpec("i32", ("d", "d", "0", "1"), 4)  # key_expiry rows (kernels/expiry_launch.py)
 
 
+@pytest.mark.parametrize("row_bias", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_expiry_rows_compile(causal: bool) -> None:
+def test_hopper_expiry_rows_compile(causal: bool, row_bias: bool) -> None:
     """key_expiry as the Hopper kernels' mask operand: one int32 row per key block by
-    cp.async, kept while the score's row is below it; the forward with a row bias, the split
-    backward with its dbias added into fp32."""
-    fwd = Sm90FwdSpec.build("sm_90a", "bf16", 128, EXPIRY, ROW_BIAS_FP32, causal, False)
+    cp.async, kept while the score's row is below it; the forward with or without a row bias,
+    the split backward with its dbias added into fp32."""
+    bias = ROW_BIAS_FP32 if row_bias else None
+    dbias = DBIAS_ROWS_ATOMIC if row_bias else None
+    fwd = Sm90FwdSpec.build("sm_90a", "bf16", 128, EXPIRY, bias, causal, False)
     check_fwd_ptx("sm_90a", fwd_ptx("sm_90a", fwd))
-    bwd = Sm90BwdSpec.build(
-        "sm_90a", "bf16", 128, EXPIRY, ROW_BIAS_FP32, DBIAS_ROWS_ATOMIC, causal, False, True
-    )
+    bwd = Sm90BwdSpec.build("sm_90a", "bf16", 128, EXPIRY, bias, dbias, causal, False, True)
     assert bwd.smem_bytes() <= smem_capacity("sm_90a")
     ptx = fwd_ptx("sm_90a", bwd)
     assert "wgmma.mma_async.sync.aligned" in ptx

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dmattn_cute.topw import expiry_mask, topw_expiry, with_key_expiry
+from tests.utils import expiry_grads_and_check
 
 
 def topw_by_definition(scores: torch.Tensor, w: int, seqlen_q: int) -> torch.Tensor:
@@ -82,38 +83,12 @@ def test_rows_in_groups_give_the_same_expiry(monkeypatch) -> None:
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def expiry_and_grads(q, k, v, mask, bias, expiry, **kwargs):
-    """Ours with key_expiry vs the fp32 and low-precision references given the element mask
-    (topw.expiry_mask: the expiry and causal) ANDed with attn_mask (one mask head, or as many
-    as the expiry); out and grads checked."""
-    from dmattn_cute import flash_dmattn_func
-    from dmattn_cute.reference import attention_ref
-    from tests.utils import check_close, leaves
-
-    dense = expiry_mask(expiry, q.shape[1])  # written apart from with_key_expiry
-    if mask is not None:
-        dense = dense & mask
-    dout = torch.randn_like(q)
-    results = []
-    for dtype, ours in ((None, True), (torch.float32, False), (None, False)):
-        q1, k1, v1 = leaves((q, k, v), dtype)
-        b1 = None if bias is None else leaves((bias,), dtype)[0]
-        if ours:
-            out = flash_dmattn_func(q1, k1, v1, mask, b1, key_expiry=expiry, **kwargs)
-        else:
-            compute = torch.float32 if dtype is not None else None
-            out, _ = attention_ref(q1, k1, v1, dense, b1, compute_dtype=compute, **kwargs)
-        out.backward(dout.to(out.dtype))
-        results.append([out, *(t.grad for t in (q1, k1, v1, b1) if t is not None)])
-    for name, got, ref, lowp in zip(("out", "dq", "dk", "dv", "dbias"), *results, strict=False):
-        check_close(name, got, ref, lowp.to(ref.dtype), q.dtype)
-
-
 EXPIRY_CASES = {
     # (Sq, Sk, H, Hkv, D, expiry heads, w, attn_mask shape, bias shape)
     "kv-heads-key-bias": (300, 300, 4, 2, 64, 2, 40, None, (2, 2, 1, 300)),
     "query-heads-fewer-queries": (65, 257, 4, 2, 128, 4, 17, None, (2, 2, 1, 257)),
     "with-attn-mask": (129, 200, 2, 1, 64, 1, 30, (2, 1, 129, 200), None),
+    "no-bias": (200, 200, 2, 2, 128, 2, 25, None, None),
 }  # fmt: skip
 
 
@@ -128,7 +103,7 @@ def test_key_expiry_is_the_topw_mask(case, device) -> None:
         bias_shape=bias_shape,
     )  # fmt: skip
     expiry = topw_expiry(torch.randn(2, he, sk, device=device), w)
-    expiry_and_grads(q, k, v, mask, bias, expiry, is_causal=True)
+    expiry_grads_and_check(q, k, v, mask, bias, expiry, is_causal=True)
 
 
 def test_key_expiry_is_validated() -> None:

@@ -9,6 +9,7 @@ from dmattn_cute import flash_dmattn_func
 from dmattn_cute.kernels.fwd_launch import flash_fwd
 from dmattn_cute.problem import broadcast_view, check_broadcast, make_problem
 from dmattn_cute.reference import _per_query_head, _probabilities, attention_ref
+from dmattn_cute.topw import expiry_mask
 
 # (Sq, Sk) pairs of the GPU tests: odd, tile-edge and long lengths, Sq != Sk, decode (Sq = 1).
 SEQLENS = [
@@ -179,6 +180,30 @@ def leaves(tensors, dtype=None):
         None if t is None else t.detach().to(dtype or t.dtype).requires_grad_(t.is_floating_point())
         for t in tensors
     ]
+
+
+def expiry_grads_and_check(q, k, v, mask, bias, expiry, **kwargs):
+    """Ours with key_expiry vs the fp32 and low-precision references given the element mask
+    (topw.expiry_mask: the expiry and causal) ANDed with attn_mask (one mask head, or as many
+    as the expiry); out and grads checked."""
+    dense = expiry_mask(expiry, q.shape[1])  # written apart from with_key_expiry
+    if mask is not None:
+        dense = dense & mask
+    dout = torch.randn_like(q)
+    ref_kwargs = {name: value for name, value in kwargs.items() if name != "deterministic"}
+    results = []
+    for dtype, ours in ((None, True), (torch.float32, False), (None, False)):
+        q1, k1, v1 = leaves((q, k, v), dtype)
+        b1 = None if bias is None else leaves((bias,), dtype)[0]
+        if ours:
+            out = flash_dmattn_func(q1, k1, v1, mask, b1, key_expiry=expiry, **kwargs)
+        else:
+            compute = torch.float32 if dtype is not None else None
+            out, _ = attention_ref(q1, k1, v1, dense, b1, compute_dtype=compute, **ref_kwargs)
+        out.backward(dout.to(out.dtype))
+        results.append([out, *(t.grad for t in (q1, k1, v1, b1) if t is not None)])
+    for name, got, ref, lowp in zip(("out", "dq", "dk", "dv", "dbias"), *results, strict=False):
+        check_close(name, got, ref, lowp.to(ref.dtype), q.dtype)
 
 
 def grads_and_check(

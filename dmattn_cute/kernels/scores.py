@@ -98,15 +98,14 @@ class Scores:
                 for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
                     acc_mn[r, c] = acc_mn[r, c] + column
         if cutlass.const_expr(self.has_mask and self.mask_expiry):
+            # the views are taken outside the run-time branch: a name first bound inside it
+            # would have no value on the other path
+            scores_mn, coord_mn, expiry_mn = (acc_mn_view(t) for t in (acc_s, t_coord, t_mask))
             if mask_full == 0:
-                acc_mn, coord_mn, expiry_mn = (
-                    acc_mn_view(t) for t in (acc_s, t_coord, t_mask)
-                )  # fmt: skip
-                for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-                    expiry = cutlass.Int32(expiry_mn[0, c])
-                    for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                        if coord_mn[r, 0][0] + row_offset >= expiry:
-                            acc_mn[r, c] = -cutlass.Float32.inf
+                for c in cutlass.range_constexpr(cute.size(scores_mn.shape[1])):
+                    for r in cutlass.range_constexpr(cute.size(scores_mn.shape[0])):
+                        if coord_mn[r, 0][0] + row_offset >= cutlass.Int32(expiry_mn[0, c]):
+                            scores_mn[r, c] = -cutlass.Float32.inf
         elif cutlass.const_expr(self.has_mask):
             if mask_full == 0:
                 keep = t_mask.load() != 0
