@@ -106,6 +106,21 @@ def test_key_expiry_is_the_topw_mask(case, device) -> None:
     expiry_grads_and_check(q, k, v, mask, bias, expiry, is_causal=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias_shape", [None, (1, 2, 1, 190)])
+def test_key_expiry_without_causal(bias_shape, device) -> None:
+    """Any int32 rows, not causal: only the upper bound holds (rows past every key's expiry
+    are fully masked: zero output)."""
+    from tests.utils import random_inputs
+
+    q, k, v, _, bias = random_inputs(
+        2, 150, 190, 4, 2, 64, torch.bfloat16, device, bias_shape=bias_shape
+    )  # fmt: skip
+    expiry = torch.randint(0, 191, (2, 2, 190), dtype=torch.int32, device=device)
+    expiry[0, 0] = torch.randint(0, 100, (190,), dtype=torch.int32)  # later rows see no key
+    expiry_grads_and_check(q, k, v, None, bias, expiry)
+
+
 def test_key_expiry_is_validated() -> None:
     from dmattn_cute import flash_dmattn_func
 

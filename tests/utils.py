@@ -9,7 +9,6 @@ from dmattn_cute import flash_dmattn_func
 from dmattn_cute.kernels.fwd_launch import flash_fwd
 from dmattn_cute.problem import broadcast_view, check_broadcast, make_problem
 from dmattn_cute.reference import _per_query_head, _probabilities, attention_ref
-from dmattn_cute.topw import expiry_mask
 
 # (Sq, Sk) pairs of the GPU tests: odd, tile-edge and long lengths, Sq != Sk, decode (Sq = 1).
 SEQLENS = [
@@ -184,9 +183,12 @@ def leaves(tensors, dtype=None):
 
 def expiry_grads_and_check(q, k, v, mask, bias, expiry, **kwargs):
     """Ours with key_expiry vs the fp32 and low-precision references given the element mask
-    (topw.expiry_mask: the expiry and causal) ANDed with attn_mask (one mask head, or as many
-    as the expiry); out and grads checked."""
-    dense = expiry_mask(expiry, q.shape[1])  # written apart from with_key_expiry
+    of its definition (query i keeps key j while i + Sk - Sq < expiry[j]; causal, when
+    asked, by the reference's is_causal) ANDed with attn_mask (one mask head, or as many as
+    the expiry); out and grads checked."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    rows = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
+    dense = rows < expiry[..., None, :]  # written apart from with_key_expiry
     if mask is not None:
         dense = dense & mask
     dout = torch.randn_like(q)
