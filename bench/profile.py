@@ -1,15 +1,21 @@
-"""Two forward + backward calls of a sparse-suite workload, for Nsight Compute.
+"""Forward + backward calls of a sparse-suite workload, for Nsight Compute or a host profile.
 
     ncu --clock-control none -k regex:FlashBwd -c 1 --section SpeedOfLight \\
-        python3 -m bench.profile [DENSITY]
+        python3 -m bench.profile [--density D] [--blocks128]
+    python3 -m bench.profile --host [--density D] [--blocks128] [--causal]
 
-Without DENSITY: no mask, no bias. With it: the sparse suite's random-block mask of that
-density (bench/workloads.py) and a bias [B, Hkv, 1, S] with its gradient.
+Without --density: no mask, no bias. With it: the sparse suite's random-block mask of that
+density (bench/workloads.py; --blocks128: 128 x 128 blocks) and a bias [B, Hkv, 1, S] with
+its gradient. --host: where the CPU time of one call goes (cProfile over many calls, and
+torch.profiler's CPU and GPU time per op and kernel), for the rows the bench marks
+host-bound.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import cProfile
+import pstats
 
 import torch
 
@@ -17,16 +23,57 @@ from bench.workloads import Workload, make_inputs
 from dmattn_cute import flash_dmattn_func
 
 
-def main() -> None:
-    if len(sys.argv) > 1:
-        w = Workload("sparse", 2, 4096, 4096, bias="key", mask="blocks", density=float(sys.argv[1]))
-    else:
-        w = Workload("dense", 2, 4096, 4096)
-    x = make_inputs(w, "cuda", grad=True)
-    for _ in range(2):
-        out = flash_dmattn_func(x.q, x.k, x.v, x.mask, x.bias)
-        out.backward(torch.randn_like(out))
+def host_profile(call, calls: int = 200) -> None:
+    for _ in range(10):
+        call()
     torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"cProfile, {calls} calls: per call, the top functions by own time and total time")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumtime").print_stats(40)
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+    print("torch.profiler, 20 calls")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--density", type=float)
+    parser.add_argument("--blocks128", action="store_true")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--host", action="store_true")
+    args = parser.parse_args()
+    if args.density is not None:
+        mask = "blocks128" if args.blocks128 else "blocks"
+        w = Workload("sparse", 2, 4096, 4096, causal=args.causal, bias="key", mask=mask,
+                     density=args.density)  # fmt: skip
+    else:
+        w = Workload("dense", 2, 4096, 4096, causal=args.causal)
+    x = make_inputs(w, "cuda", grad=True)
+    dout = torch.randn(x.q.shape, device=x.q.device, dtype=x.q.dtype)
+
+    def call() -> None:
+        out = flash_dmattn_func(x.q, x.k, x.v, x.mask, x.bias, is_causal=w.causal)
+        out.backward(dout)
+
+    if args.host:
+        host_profile(call)
+    else:
+        for _ in range(2):
+            call()
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
