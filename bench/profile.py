@@ -2,13 +2,14 @@
 
     ncu --clock-control none -k regex:FlashBwd -c 1 --section SpeedOfLight \\
         python3 -m bench.profile [--density D] [--blocks128]
-    python3 -m bench.profile --host [--density D] [--blocks128] [--causal]
+    python3 -m bench.profile --host [--fwd] [--density D] [--blocks128 [--block-mask]] [--causal]
 
 Without --density: no mask, no bias. With it: the sparse suite's random-block mask of that
-density (bench/workloads.py; --blocks128: 128 x 128 blocks) and a bias [B, Hkv, 1, S] with
-its gradient. --host: where the CPU time of one call goes (cProfile over many calls, and
-torch.profiler's CPU and GPU time per op and kernel), for the rows the bench marks
-host-bound.
+density (bench/workloads.py; --blocks128: 128 x 128 blocks, --block-mask: given as a block
+mask, as the bench's ours_block_mask) and a bias [B, Hkv, 1, S] with its gradient. Calls run
+as the bench times them: --fwd without autograd, else forward + torch.autograd.grad. --host:
+where the CPU time of one call goes (cProfile over many calls, and torch.profiler's CPU and
+GPU time per op and kernel), for the rows the bench marks host-bound.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--density", type=float)
     parser.add_argument("--blocks128", action="store_true")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--block-mask", action="store_true")
+    parser.add_argument("--fwd", action="store_true")
     parser.add_argument("--host", action="store_true")
     args = parser.parse_args()
     if args.density is not None:
@@ -61,12 +64,21 @@ def main() -> None:
                      density=args.density)  # fmt: skip
     else:
         w = Workload("dense", 2, 4096, 4096, causal=args.causal)
-    x = make_inputs(w, "cuda", grad=True)
-    dout = torch.randn(x.q.shape, device=x.q.device, dtype=x.q.dtype)
+    x = make_inputs(w, "cuda", grad=not args.fwd)
+    masks = {"block_mask": x.blocks} if args.block_mask else {"attn_mask": x.mask}
+    if args.block_mask and x.blocks is None:
+        parser.error("--block-mask needs --density and --blocks128")
 
-    def call() -> None:
-        out = flash_dmattn_func(x.q, x.k, x.v, x.mask, x.bias, is_causal=w.causal)
-        out.backward(dout)
+    def forward() -> torch.Tensor:
+        return flash_dmattn_func(x.q, x.k, x.v, attn_bias=x.bias, is_causal=w.causal, **masks)
+
+    if args.fwd:
+        call = torch.no_grad()(forward)
+    else:
+        dout = torch.randn(x.q.shape, device=x.q.device, dtype=x.q.dtype)
+
+        def call() -> None:
+            torch.autograd.grad(forward(), x.leaves, dout)
 
     if args.host:
         host_profile(call)

@@ -1,5 +1,5 @@
 """Public entry point: validate once, then run the kernels (CUDA tensors in eager mode:
-ops.EagerAttention) or call the ``dmattn_cute::fwd`` op (traced, fake, or not CUDA; see
+ops.eager_attention) or call the ``dmattn_cute::fwd`` op (traced, fake, or not CUDA; see
 ops.py), which runs the CuTe kernels on CUDA tensors and the float32 reference elsewhere."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dmattn_cute.block_mask import check_block_mask, with_block_mask
-from dmattn_cute.ops import EagerAttention, attention_fwd
+from dmattn_cute.ops import attention_fwd, eager_attention
 from dmattn_cute.problem import check_bool, check_problem
 from dmattn_cute.topw import check_key_expiry, with_key_expiry
 
@@ -102,10 +102,9 @@ def flash_dmattn_func(
     if attn_bias is not None:
         attn_bias = _storage_view(attn_bias)
     if _eager_cuda(query):
-        out, lse = EagerAttention.apply(
-            problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry,
-            torch.is_grad_enabled(),
-        )  # fmt: skip
+        out, lse = eager_attention(
+            problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry
+        )
         return (out, lse) if return_lse else out
     group = problem.num_heads // problem.num_heads_kv
     if block_mask is not None:  # the ops take element masks

@@ -9,7 +9,8 @@ reference (the backward differentiates it), so the same graph works on a CPU.
 Eager calls on CUDA tensors (not traced, not under a FakeTensor mode) go through
 ``EagerAttention``, an autograd.Function that launches the same kernels with the same
 autograd formula, without the op dispatcher: on an H100 host each op call cost 0.1-0.2 ms of
-CPU over the launch code itself, more than the GPU time of a sparse forward + backward.
+CPU over the launch code itself, more than the GPU time of a sparse forward + backward. A
+call that autograd does not record (``eager_attention``) launches the forward alone.
 
 The ops trust their arguments: flash_dmattn_func validates every call (SPEC.md's errors)
 before it reaches them. mask and bias are passed as the caller gave them (3-D or 4-D,
@@ -211,21 +212,14 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, problem: Problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry,
-        recorded,
+        ctx, problem: Problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry
     ):  # fmt: skip
         mask, bias = broadcast_view(attn_mask), broadcast_view(attn_bias)
-        # With a mask and a backward to come (`recorded`: grad mode was on at the call, and
-        # forward runs with it off): one block-bits pre-pass for both kernels.
+        # With a mask (a backward is to come: eager_attention): one block-bits pre-pass for
+        # both kernels.
         bits = None
         bias_grad = attn_bias is not None and ctx.needs_input_grad[5]
-        if (
-            recorded
-            and mask is not None
-            and block_mask is None
-            and key_expiry is None
-            and (any(ctx.needs_input_grad[1:4]) or bias_grad)
-        ):
+        if mask is not None and block_mask is None and key_expiry is None:
             arch = target_arch(query.device)
             bits = paired_bits(problem, mask, bias, bias_grad, arch, query.device)
         out, lse, stats = flash_fwd(
@@ -253,7 +247,26 @@ class EagerAttention(torch.autograd.Function):
             bits=ctx.bwd_bits, key_expiry=key_expiry,
         )  # fmt: skip
         dbias = dbias.view(attn_bias.shape) if bias_grad else None
-        return None, dq, dk, dv, None, dbias, None, None, None
+        return None, dq, dk, dv, None, dbias, None, None
 
 
-__all__ = ["EagerAttention", "attention_bwd", "attention_fwd"]
+def eager_attention(
+    problem: Problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry
+) -> tuple[Tensor, Tensor]:
+    """out, lse of the eager CUDA path: EagerAttention where autograd records the call, else
+    (no_grad, inference mode, no input that needs a gradient) flash_fwd alone, without the
+    autograd.Function's host work."""
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+    ):
+        return EagerAttention.apply(
+            problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry
+        )
+    out, lse, _ = flash_fwd(
+        problem, query, key, value, broadcast_view(attn_mask), broadcast_view(attn_bias),
+        block_mask=block_mask, key_expiry=key_expiry,
+    )  # fmt: skip
+    return out, lse
+
+
+__all__ = ["EagerAttention", "attention_bwd", "attention_fwd", "eager_attention"]

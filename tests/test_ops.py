@@ -176,6 +176,25 @@ def test_kernels_run_on_the_current_stream() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("mask_shape", "bias_shape"), OPERANDS)
+def test_unrecorded_calls_run_the_forward_alone(mask_shape, bias_shape) -> None:
+    """Under no_grad, or with no input that needs a gradient, the eager path launches the
+    forward without the autograd.Function (and the mask's own pre-pass, not the one paired
+    with a backward): the same out and lse, bitwise, and nothing recorded."""
+    q, k, v, mask, bias = _inputs("cuda", mask_shape, bias_shape)
+    out, lse = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
+    assert out.grad_fn is not None
+    with torch.no_grad():
+        calls = [flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)]
+    detached = [t if t is None else t.detach() for t in (q, k, v, bias)]
+    calls.append(flash_dmattn_func(*detached[:3], mask, detached[3], is_causal=True,
+                                   return_lse=True))  # fmt: skip
+    for got_out, got_lse in calls:
+        assert got_out.grad_fn is None and not got_out.requires_grad
+        assert torch.equal(got_out, out) and torch.equal(got_lse, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("mask_shape", "bias_shape"), OPERANDS)
 def test_eager_path_matches_the_ops(mask_shape, bias_shape) -> None:
     """Eager CUDA calls run EagerAttention, torch.compile runs the ops: the same kernels, so
     with a deterministic backward the outputs and gradients are bitwise equal."""

@@ -12,6 +12,7 @@ from dmattn_cute.kernels.block_bits import BlockBitsSpec
 from dmattn_cute.kernels.paired_bits import coarsen_bits, paired_bits
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
+from dmattn_cute.ops import eager_attention
 from dmattn_cute.problem import make_problem
 from tests.test_block_bits_gpu import bits_ref
 from tests.utils import random_inputs
@@ -114,3 +115,27 @@ def test_no_grad_calls_pair_nothing(monkeypatch) -> None:
     with torch.no_grad():
         out = flash_dmattn_func(q, k, v, mask)
     assert out.isfinite().all()
+
+
+def test_an_unrecorded_call_runs_the_forward_alone(launches) -> None:
+    """eager_attention: under no_grad, the forward and its own pre-pass at its tiles (no
+    autograd.Function, nothing recorded); with an input that needs a gradient, the pre-pass
+    at the backward's tiles, paired."""
+    q, k, v, mask, bias = random_inputs(
+        2, 300, 520, 4, 2, 128, torch.bfloat16, "cpu", mask_shape=(2, 2, 300, 520),
+        bias_shape=(2, 2, 1, 520),
+    )  # fmt: skip
+    problem, _, _ = make_problem(q, k, v, mask, bias, None, False, 0.0, (-1, -1), False)
+    q.requires_grad_()
+    with torch.no_grad():
+        out, _ = eager_attention(problem, q, k, v, mask, bias, None, None)
+    assert out.grad_fn is None
+    (bits_spec, _), (fwd_spec, _) = launches["calls"]
+    assert isinstance(bits_spec, BlockBitsSpec) and isinstance(fwd_spec, Sm90FwdSpec)
+    assert (bits_spec.tile_m, bits_spec.tile_n) == (fwd_spec.tile.tile_m, fwd_spec.tile.tile_n)
+
+    launches["calls"].clear()
+    out, _ = eager_attention(problem, q, k, v, mask, bias, None, None)
+    assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
+    (bits_spec, _), (fwd_spec, _) = launches["calls"]
+    assert bits_spec.tile_m < fwd_spec.tile.tile_m  # the backward's 64-row tiles
