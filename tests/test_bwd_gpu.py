@@ -261,10 +261,10 @@ def test_backward_memory():
 def test_query_range_splits_with_key_expiry(short_query_splits):
     """Top-w expiry rows (the crowded columns of a per-key top-w) through split walks."""
     from dmattn_cute.topw import topw_expiry
-    from tests.test_topw import expiry_and_grads
+    from tests.utils import expiry_grads_and_check
 
     q, k, v, _, bias = random_inputs(
         2, 400, 400, 4, 2, 128, torch.bfloat16, "cuda", bias_shape=(2, 2, 1, 400)
     )
     expiry = topw_expiry(bias[:, :, 0].float(), 48)
-    expiry_and_grads(q, k, v, None, bias, expiry, is_causal=True)
+    expiry_grads_and_check(q, k, v, None, bias, expiry, is_causal=True)
