@@ -111,9 +111,14 @@ def sparse_suite() -> list[Workload]:
 
 
 def decode_suite() -> list[Workload]:
+    # 64-key blocks (BLOCK_K), finer than the Hopper forward's 128-key tiles, and 128-key
+    # blocks that those tiles skip exactly
     return [
         Workload("decode", 8, 1, sk, 128, bias="key", mask="blocks", density=0.25)
         for sk in (4096, 32768, 131072, 524288)
+    ] + [
+        Workload("decode", 8, 1, sk, 128, bias="key", mask="blocks128", density=0.25)
+        for sk in (32768, 131072)
     ]
 
 
