@@ -3,19 +3,23 @@
     ncu --clock-control none -k regex:FlashBwd -c 1 --section SpeedOfLight \\
         python3 -m bench.profile [--density D] [--blocks128]
     python3 -m bench.profile --host [--fwd] [--density D] [--blocks128 [--block-mask]] [--causal]
+    python3 -m bench.profile --host --decode SK [--blocks128] [--kvcache]
 
 Without --density: no mask, no bias. With it: the sparse suite's random-block mask of that
 density (bench/workloads.py; --blocks128: 128 x 128 blocks, --block-mask: given as a block
 mask, as the bench's ours_block_mask) and a bias [B, Hkv, 1, S] with its gradient. Calls run
 as the bench times them: --fwd without autograd, else forward + torch.autograd.grad. --host:
 where the CPU time of one call goes (cProfile over many calls, and torch.profiler's CPU and
-GPU time per op and kernel), for the rows the bench marks host-bound.
+GPU time per op and kernel), for the rows the bench marks host-bound. --decode: the decode
+suite's workload at that key length (one query per row, density 0.25), by
+flash_dmattn_func or (--kvcache) flash_dmattn_with_kvcache.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 
 import torch
@@ -57,7 +61,23 @@ def main() -> None:
     parser.add_argument("--block-mask", action="store_true")
     parser.add_argument("--fwd", action="store_true")
     parser.add_argument("--host", action="store_true")
+    parser.add_argument("--decode", type=int, metavar="SK")
+    parser.add_argument("--kvcache", action="store_true")
     args = parser.parse_args()
+    if args.decode is not None:
+        mask = "blocks128" if args.blocks128 else "blocks"
+        w = Workload("decode", 8, 1, args.decode, bias="key", mask=mask, density=0.25)
+        x = make_inputs(w, "cuda")
+        if args.kvcache:
+            from dmattn_cute import flash_dmattn_with_kvcache
+
+            call = functools.partial(
+                flash_dmattn_with_kvcache, x.q, x.k, x.v, attn_mask=x.mask, attn_bias=x.bias
+            )
+        else:
+            call = functools.partial(flash_dmattn_func, x.q, x.k, x.v, x.mask, x.bias)
+        host_profile(call)
+        return
     if args.density is not None:
         mask = "blocks128" if args.blocks128 else "blocks"
         w = Workload("sparse", 2, 4096, 4096, causal=args.causal, bias="key", mask=mask,
