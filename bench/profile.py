@@ -53,6 +53,41 @@ def host_profile(call, calls: int = 200) -> None:
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
 
 
+def decode_call(seqlen_k: int, blocks128: bool, kvcache: bool):
+    """One decode-suite call (one query per row, density 0.25) at that key length."""
+    mask = "blocks128" if blocks128 else "blocks"
+    x = make_inputs(Workload("decode", 8, 1, seqlen_k, bias="key", mask=mask, density=0.25), "cuda")
+    if kvcache:
+        from dmattn_cute import flash_dmattn_with_kvcache
+
+        return functools.partial(
+            flash_dmattn_with_kvcache, x.q, x.k, x.v, attn_mask=x.mask, attn_bias=x.bias
+        )
+    return functools.partial(flash_dmattn_func, x.q, x.k, x.v, x.mask, x.bias)
+
+
+def training_call(args, parser: argparse.ArgumentParser):
+    """One S4096 call as the bench times it: forward alone (--fwd) or forward + backward."""
+    if args.density is not None:
+        mask = "blocks128" if args.blocks128 else "blocks"
+        w = Workload("sparse", 2, 4096, 4096, causal=args.causal, bias="key", mask=mask,
+                     density=args.density)  # fmt: skip
+    else:
+        w = Workload("dense", 2, 4096, 4096, causal=args.causal)
+    x = make_inputs(w, "cuda", grad=not args.fwd)
+    if args.block_mask and x.blocks is None:
+        parser.error("--block-mask needs --density and --blocks128")
+    masks = {"block_mask": x.blocks} if args.block_mask else {"attn_mask": x.mask}
+
+    def forward() -> torch.Tensor:
+        return flash_dmattn_func(x.q, x.k, x.v, attn_bias=x.bias, is_causal=w.causal, **masks)
+
+    if args.fwd:
+        return torch.no_grad()(forward)
+    dout = torch.randn(x.q.shape, device=x.q.device, dtype=x.q.dtype)
+    return lambda: torch.autograd.grad(forward(), x.leaves, dout)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--density", type=float)
@@ -65,41 +100,9 @@ def main() -> None:
     parser.add_argument("--kvcache", action="store_true")
     args = parser.parse_args()
     if args.decode is not None:
-        mask = "blocks128" if args.blocks128 else "blocks"
-        w = Workload("decode", 8, 1, args.decode, bias="key", mask=mask, density=0.25)
-        x = make_inputs(w, "cuda")
-        if args.kvcache:
-            from dmattn_cute import flash_dmattn_with_kvcache
-
-            call = functools.partial(
-                flash_dmattn_with_kvcache, x.q, x.k, x.v, attn_mask=x.mask, attn_bias=x.bias
-            )
-        else:
-            call = functools.partial(flash_dmattn_func, x.q, x.k, x.v, x.mask, x.bias)
-        host_profile(call)
-        return
-    if args.density is not None:
-        mask = "blocks128" if args.blocks128 else "blocks"
-        w = Workload("sparse", 2, 4096, 4096, causal=args.causal, bias="key", mask=mask,
-                     density=args.density)  # fmt: skip
+        call = decode_call(args.decode, args.blocks128, args.kvcache)
     else:
-        w = Workload("dense", 2, 4096, 4096, causal=args.causal)
-    x = make_inputs(w, "cuda", grad=not args.fwd)
-    masks = {"block_mask": x.blocks} if args.block_mask else {"attn_mask": x.mask}
-    if args.block_mask and x.blocks is None:
-        parser.error("--block-mask needs --density and --blocks128")
-
-    def forward() -> torch.Tensor:
-        return flash_dmattn_func(x.q, x.k, x.v, attn_bias=x.bias, is_causal=w.causal, **masks)
-
-    if args.fwd:
-        call = torch.no_grad()(forward)
-    else:
-        dout = torch.randn(x.q.shape, device=x.q.device, dtype=x.q.dtype)
-
-        def call() -> None:
-            torch.autograd.grad(forward(), x.leaves, dout)
-
+        call = training_call(args, parser)
     if args.host:
         host_profile(call)
     else:
