@@ -369,3 +369,31 @@ def test_hopper_expiry_rows_compile(causal: bool, row_bias: bool) -> None:
     ptx = fwd_ptx("sm_90a", bwd)
     assert "wgmma.mma_async.sync.aligned" in ptx
     assert re.search(r"cp\.async\.c[ag]\.shared\.global", ptx)
+
+
+HOPPER_MASKS = {
+    "no-mask": None, "mask": FULL_MASK, "row-mask": ROW_MASK, "key-mask": KEY_BCAST_MASK,
+    "expiry": EXPIRY,
+}  # fmt: skip
+# each bias kind with the gradient buffer a launch gives it (dbias_plan)
+HOPPER_BIASES = {
+    "no-bias": (None, None),
+    "bias": (FULL_BIAS, DBIAS_DIRECT),
+    "row-bias": (ROW_BIAS, DBIAS_ROWS_ATOMIC),
+    "row-bias-fp32": (ROW_BIAS_FP32, DBIAS_ROWS_ATOMIC),
+    "unaligned-bias": (UNALIGNED_BIAS, DBIAS_SUM_ATOMIC),
+}
+
+
+@pytest.mark.parametrize("bias_kind", HOPPER_BIASES)
+@pytest.mark.parametrize("mask_kind", HOPPER_MASKS)
+def test_hopper_operand_kinds_trace(mask_kind: str, bias_kind: str) -> None:
+    """Every mask kind with every bias kind traces and compiles in both Hopper kernels (a
+    branch of the score code that only one pairing reaches fails here, not at a user's first
+    call on a GPU)."""
+    mask, (bias, dbias) = HOPPER_MASKS[mask_kind], HOPPER_BIASES[bias_kind]
+    fwd = Sm90FwdSpec.build("sm_90a", "bf16", 128, mask, bias, False, False)
+    check_fwd_ptx("sm_90a", fwd_ptx("sm_90a", fwd))
+    bwd = Sm90BwdSpec.build("sm_90a", "bf16", 128, mask, bias, dbias, False, False, True)
+    assert bwd.smem_bytes() <= smem_capacity("sm_90a")
+    assert "wgmma.mma_async.sync.aligned" in fwd_ptx("sm_90a", bwd)
