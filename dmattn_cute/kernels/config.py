@@ -261,9 +261,10 @@ _SM90_FWD_TILE_N = {32: 128, 64: 128, 96: 128, 128: 128, 160: 112, 192: 112, 256
 
 
 # At most this many query rows (decode: one query per row, a group's heads packed as rows) and
-# the Hopper forward is bound by reading K and V: its key tiles are SHORT_QUERY_TILE_N wide,
-# so that a block mask skips keys at that grain (with 64-key blocks at density 0.25, 128-key
-# tiles read 1.75x the visible bytes).
+# the Hopper forward is bound by reading K and V: with a mask its key tiles are
+# SHORT_QUERY_TILE_N wide, so that tile skip works at that grain (64-key blocks at density
+# 0.25: 128-key tiles read 1.75x the visible bytes). Measured on an H100 (B8 H16 Hkv4 D128,
+# Sk 128k, graph): 64-key blocks 0.417 -> 0.282 ms; 128-key blocks 0.286 -> 0.304 ms.
 SHORT_QUERY_ROWS = 64
 SHORT_QUERY_TILE_N = 64
 

@@ -67,7 +67,9 @@ def _build(
         problem.softcap > 0,
     )  # fmt: skip
     if family is Sm90FwdSpec:
-        return family.build(*args, problem.seqlen_q <= SHORT_QUERY_ROWS)
+        # narrow key tiles pay only where a mask skips them; without one they double the walk
+        short = problem.seqlen_q <= SHORT_QUERY_ROWS and mask is not None
+        return family.build(*args, short)
     return family.build(*args)
 
 
