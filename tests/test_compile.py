@@ -320,6 +320,7 @@ BITS_CASES = [
     pytest.param(KEY_BCAST_MASK, 128, 80, r"[bsu]8", id="keybcast-v1"),
     pytest.param(OperandSpec("u8", ("d", "d", "0", "1"), 1), 64, 64, r"[bsu]8",
                  id="rowbcast-v1-two-warps"),
+    pytest.param(ROW_MASK, 128, 64, r"v4\.b32", id="decode-rowbcast-v16"),
 ]  # fmt: skip
 
 
@@ -338,6 +339,16 @@ def test_block_bits_compile(target: str, mask: OperandSpec, tile_m: int, tile_n:
     # one byte per tile, its group combined by ballots
     assert re.findall(r"\bst\.global\.\S+", ptx) == ["st.global.b8"]
     assert "vote.sync.ballot.b32" in ptx
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_hopper_short_query_forward_compiles(head_dim: int) -> None:
+    """Decode (at most SHORT_QUERY_ROWS query rows): 64-key tiles with a query-broadcast mask
+    and bias row, as packed decode calls run them."""
+    spec = Sm90FwdSpec.build("sm_90a", "bf16", head_dim, ROW_MASK, ROW_BIAS, False, False, True)
+    assert spec.tile.tile_n == 64
+    assert spec.smem_bytes() <= smem_capacity("sm_90a")
+    check_fwd_ptx("sm_90a", fwd_ptx("sm_90a", spec))
 
 
 EXPIRY = OperandSpec("i32", ("d", "d", "0", "1"), 4)  # key_expiry rows (kernels/expiry_launch.py)

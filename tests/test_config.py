@@ -87,6 +87,9 @@ def test_hopper_forward_tiles() -> None:
     # mask and bias stages narrow the key block until they fit
     assert tile("sm_90a", 128, 2, SmemOperand(1, False), SmemOperand(2, False)).tile_n < 128
     assert tile("sm_90a", 256, 2, None, None).tile_n == 80
+    # short queries (decode): key tiles of at most 64
+    for head_dim in (64, 128, 256):
+        assert tile("sm_90a", head_dim, 2, SmemOperand(1, False), None, True).tile_n == 64
 
 
 def test_hopper_tile_search_fails_at_spec_time(monkeypatch: pytest.MonkeyPatch) -> None:

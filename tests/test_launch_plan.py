@@ -83,3 +83,32 @@ def test_the_kernels_setting_makes_another_plan(launches, monkeypatch) -> None:
     forward(None, None)
     hopper, portable = launches["compiled"]
     assert isinstance(hopper, Sm90FwdSpec) and isinstance(portable, FwdSpec)
+
+
+@pytest.mark.parametrize(("seqlen_q", "tile_n"), [(1, 64), (64, 64), (65, 128), (300, 128)])
+def test_short_queries_get_narrow_key_tiles(launches, seqlen_q, tile_n) -> None:
+    """At most SHORT_QUERY_ROWS query rows (decode, a group's heads packed as rows): 64-key
+    tiles, and the pre-pass's bits at those tiles."""
+    from dmattn_cute.kernels.config import SHORT_QUERY_ROWS
+
+    assert SHORT_QUERY_ROWS == 64
+    q = torch.randn(B, seqlen_q, H, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, 520, HKV, 128, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.rand(B, HKV, 1, 520) < 0.5
+    bias = torch.randn(B, HKV, 1, 520, dtype=torch.bfloat16)
+    problem, mask4, bias4 = make_problem(q, k, v, mask, bias, None, False, 0.0, (-1, -1), False)
+    fwd_launch.flash_fwd(problem, q, k, v, mask4, bias4)
+    (bits_spec, _), (fwd_spec, args) = launches["calls"]
+    assert isinstance(fwd_spec, Sm90FwdSpec) and fwd_spec.tile.tile_n == tile_n
+    assert bits_spec.tile_n == tile_n and args[8].shape[3] == -(-520 // tile_n)
+
+
+def test_short_queries_without_a_mask_keep_wide_key_tiles(launches) -> None:
+    """No mask, nothing to skip: a decode call keeps 128-key tiles (half the walk)."""
+    q = torch.randn(B, 1, H, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, 520, HKV, 128, dtype=torch.bfloat16) for _ in range(2))
+    bias = torch.randn(B, HKV, 1, 520, dtype=torch.bfloat16)
+    problem, _, bias4 = make_problem(q, k, v, None, bias, None, False, 0.0, (-1, -1), False)
+    fwd_launch.flash_fwd(problem, q, k, v, None, bias4)
+    ((fwd_spec, _),) = launches["calls"]
+    assert isinstance(fwd_spec, Sm90FwdSpec) and fwd_spec.tile.tile_n == 128

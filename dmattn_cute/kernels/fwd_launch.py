@@ -20,6 +20,7 @@ from . import expiry_launch
 from .block_bits import BlockBitsSpec
 from .block_bits_launch import block_bits_shape, block_bits_spec, kernel_bits_view
 from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
+from .config import SHORT_QUERY_ROWS
 from .fwd import FwdScalars, FwdSpec
 from .launch import (
     dtype_name,
@@ -60,15 +61,16 @@ def fwd_spec(
 def _build(
     problem: Problem, mask: OperandSpec | None, bias: OperandSpec | None, arch: str
 ) -> FwdSpec | Sm90FwdSpec:
-    return forward_family(arch).build(
-        arch,
-        dtype_name(problem.dtype),
-        problem.head_dim,
-        mask,
-        bias,
-        problem.has_window,
+    family = forward_family(arch)
+    args = (
+        arch, dtype_name(problem.dtype), problem.head_dim, mask, bias, problem.has_window,
         problem.softcap > 0,
-    )
+    )  # fmt: skip
+    if family is Sm90FwdSpec:
+        # narrow key tiles pay only where a mask skips them; without one they double the walk
+        short = problem.seqlen_q <= SHORT_QUERY_ROWS and mask is not None
+        return family.build(*args, short)
+    return family.build(*args)
 
 
 def bits_spec_of(

@@ -101,10 +101,12 @@ class Sm90FwdSpec:
         bias: OperandSpec | None,
         has_window: bool,
         has_softcap: bool,
+        short_queries: bool = False,
     ) -> Sm90FwdSpec:
+        """short_queries: at most config.SHORT_QUERY_ROWS query rows (narrower key tiles)."""
         dp = padded_head_dim(head_dim)
         smem = _smem_operands(mask, bias)
-        tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem)
+        tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem, short_queries)
         return Sm90FwdSpec(dtype, dp, tile, mask, bias, has_window, has_softcap)
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:
