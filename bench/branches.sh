@@ -1,23 +1,38 @@
 #!/usr/bin/env bash
-# GPU tests of several unmerged branches in one device call. Each branch's tree is exported
-# (without .git) to .branches/<name>/ in the main checkout, which is git-ignored and carried
-# to the device with `carry: [".device", ".fa4", ".pyx", ".branches"]`; every branch then runs
-# its own tests against its own package.
-#   git archive <branch> | (mkdir -p .branches/<name> && tar -x -C .branches/<name>)
+# GPU tests of several unmerged branches in one device call. Each branch travels as a patch
+# against the checked-out tree: .patches/<name>.patch (git-ignored, carried to the device with
+# `carry: [".device", ".tvmffi", ".pyx", ".patches"]`), made here by
+#   mkdir -p .patches && git diff HEAD <branch> > .patches/<name>.patch
+# On the device each patch is applied to a copy of the package, tests and bench in
+# .branches/<name>/, and every branch runs its own tests against its own package; bench/ab.sh
+# then times the same trees.
 #   source .device/activate.sh && bash bench/branches.sh [pytest args, default: -m gpu]
 # Logs go to $OUT/branch_<name>.log (or /tmp/dmattn-out).
 set -uo pipefail
 out="${OUT:-/tmp/dmattn-out}"; mkdir -p "$out"
 root="$(pwd)"
 args=("$@"); [ ${#args[@]} -gt 0 ] || args=(-m gpu)
-# the same extras as device.sh: FlashAttention 4 (and tvm_ffi), pytest-xdist
-[ -d /tmp/fa4/flash_attn ] || { mkdir -p /tmp/fa4 && tar -xJf .fa4/fa4.tar.xz -C /tmp/fa4; }
+# the same extras as device.sh: FlashAttention 4 and tvm_ffi (or tvm_ffi alone), pytest-xdist
+deps=/tmp/fa4
+if [ -f .fa4/fa4.tar.xz ]; then
+  [ -d /tmp/fa4/flash_attn ] || { mkdir -p /tmp/fa4 && tar -xJf .fa4/fa4.tar.xz -C /tmp/fa4; }
+elif [ -f .tvmffi/tvmffi.tar.xz ]; then
+  deps=/tmp/tvmffi
+  [ -d /tmp/tvmffi/tvm_ffi ] || { mkdir -p /tmp/tvmffi && tar -xJf .tvmffi/tvmffi.tar.xz -C /tmp/tvmffi; }
+fi
 [ -d /tmp/pydeps/xdist ] || { mkdir -p /tmp/pydeps && tar -xJf .pyx/xdist.tar.xz -C /tmp/pydeps; }
 status=0
-for dir in "$root"/.branches/*/; do
-  name="$(basename "$dir")"
+for patch in "$root"/.patches/*.patch; do
+  [ -f "$patch" ] || continue
+  name="$(basename "$patch" .patch)"
+  dir="$root/.branches/$name"
+  rm -rf "$dir" && mkdir -p "$dir"
+  cp -r dmattn_cute bench tests pyproject.toml README.md "$dir"/
+  if ! patch -s -p1 -d "$dir" < "$patch"; then
+    echo "== $name: the patch does not apply"; status=1; continue
+  fi
   echo "== $name"
-  (cd "$dir" && PYTHONPATH="/tmp/pydeps:${PYTHONPATH:-}:/tmp/fa4" python3 -m pytest -q \
+  (cd "$dir" && PYTHONPATH="/tmp/pydeps:${PYTHONPATH:-}:$deps" python3 -m pytest -q \
     -p no:cacheprovider -n "${JOBS:-12}" "${args[@]}" 2>&1) | tee "$out/branch_$name.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
