@@ -7,20 +7,13 @@
 set -uo pipefail
 out="${OUT:-/tmp/dmattn-out}"; mkdir -p "$out"
 root="$(pwd)"
-# the peers' and the DSL's carried packages, as bench/device.sh takes them
-deps=/tmp/fa4
-if [ -f .fa4/fa4.tar.xz ]; then
-  [ -d /tmp/fa4/flash_attn ] || { mkdir -p /tmp/fa4 && tar -xJf .fa4/fa4.tar.xz -C /tmp/fa4; }
-elif [ -f .tvmffi/tvmffi.tar.xz ]; then
-  deps=/tmp/tvmffi
-  [ -d /tmp/tvmffi/tvm_ffi ] || { mkdir -p /tmp/tvmffi && tar -xJf .tvmffi/tvmffi.tar.xz -C /tmp/tvmffi; }
-fi
+source bench/carried.sh
 status=0
 for dir in "$root" "$root"/.branches/*/; do
   [ -d "$dir" ] || continue
   name="$(basename "$dir")"; [ "$dir" = "$root" ] && name=root
   echo "== $name"
-  (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}:$deps" python3 -m bench.run \
+  (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}" python3 -m bench.run \
     --out "$out/ab_$name" "$@" 2>&1) | tee "$out/ab_$name.log" | grep -E "^[a-z]+ +(fwd|bwd)"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done

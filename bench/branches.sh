@@ -12,15 +12,7 @@ set -uo pipefail
 out="${OUT:-/tmp/dmattn-out}"; mkdir -p "$out"
 root="$(pwd)"
 args=("$@"); [ ${#args[@]} -gt 0 ] || args=(-m gpu)
-# the same extras as device.sh: FlashAttention 4 and tvm_ffi (or tvm_ffi alone), pytest-xdist
-deps=/tmp/fa4
-if [ -f .fa4/fa4.tar.xz ]; then
-  [ -d /tmp/fa4/flash_attn ] || { mkdir -p /tmp/fa4 && tar -xJf .fa4/fa4.tar.xz -C /tmp/fa4; }
-elif [ -f .tvmffi/tvmffi.tar.xz ]; then
-  deps=/tmp/tvmffi
-  [ -d /tmp/tvmffi/tvm_ffi ] || { mkdir -p /tmp/tvmffi && tar -xJf .tvmffi/tvmffi.tar.xz -C /tmp/tvmffi; }
-fi
-[ -d /tmp/pydeps/xdist ] || { mkdir -p /tmp/pydeps && tar -xJf .pyx/xdist.tar.xz -C /tmp/pydeps; }
+source bench/carried.sh
 status=0
 for patch in "$root"/.patches/*.patch; do
   [ -f "$patch" ] || continue
@@ -32,8 +24,8 @@ for patch in "$root"/.patches/*.patch; do
     echo "== $name: the patch does not apply"; status=1; continue
   fi
   echo "== $name"
-  (cd "$dir" && PYTHONPATH="/tmp/pydeps:${PYTHONPATH:-}:$deps" python3 -m pytest -q \
-    -p no:cacheprovider -n "${JOBS:-12}" "${args[@]}" 2>&1) | tee "$out/branch_$name.log" | tail -3
+  (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}" python3 -m pytest -q \
+    -p no:cacheprovider "${jobs[@]}" "${args[@]}" 2>&1) | tee "$out/branch_$name.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
 exit "$status"

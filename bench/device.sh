@@ -16,28 +16,7 @@ while [ $# -gt 0 ]; do
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 export PYTHONUNBUFFERED=1
-# Carried extras (git-ignored), each an xz tarball of unzipped wheels:
-# - .fa4/fa4.tar.xz: FlashAttention 4 and its deps (apache-tvm-ffi too), a benchmark peer;
-# - .tvmffi/tvmffi.tar.xz: apache-tvm-ffi alone (the DSL's launch path), for calls that need
-#   no FA4 (a smaller carry);
-# - .pyx/xdist.tar.xz: pytest-xdist and execnet (the GPU tests are bound by kernel compiles,
-#   which then use every core); .pydeps/xdist.tar.xz: the same plus apache-tvm-ffi.
-jobs=()
-if [ -f .fa4/fa4.tar.xz ]; then
-  [ -d /tmp/fa4/flash_attn ] || { mkdir -p /tmp/fa4 && tar -xJf .fa4/fa4.tar.xz -C /tmp/fa4; }
-  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/fa4"
-elif [ -f .tvmffi/tvmffi.tar.xz ]; then
-  [ -d /tmp/tvmffi/tvm_ffi ] || { mkdir -p /tmp/tvmffi && tar -xJf .tvmffi/tvmffi.tar.xz -C /tmp/tvmffi; }
-  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/tvmffi"
-fi
-for tarball in .pyx/xdist.tar.xz .pydeps/xdist.tar.xz; do
-  if [ -f "$tarball" ]; then
-    mkdir -p /tmp/pydeps && tar -xJf "$tarball" -C /tmp/pydeps
-    export PYTHONPATH="/tmp/pydeps${PYTHONPATH:+:$PYTHONPATH}"
-    jobs=(-n "${JOBS:-12}")
-    break
-  fi
-done
+source bench/carried.sh
 status=0
 if [ "$tests" = 1 ]; then
   python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "${jobs[@]}" "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -40

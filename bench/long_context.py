@@ -83,13 +83,23 @@ def main() -> None:
     block_mask = build()
     visible = block_mask.float().mean().item() * 2  # causal dense work is half the blocks
 
-    def forward():
-        with torch.no_grad():
-            flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, block_mask=block_mask)
+    def attention_times(prefix: str, **masks) -> dict:
+        """Forward and forward + backward medians, and the latter's peak memory, of the
+        attention with these mask keywords."""
 
-    def forward_backward():
-        out = flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, block_mask=block_mask)
-        torch.autograd.grad(out, (q, k, v, bias), dout)
+        def forward():
+            with torch.no_grad():
+                flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, **masks)
+
+        def forward_backward():
+            out = flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, **masks)
+            torch.autograd.grad(out, (q, k, v, bias), dout)
+
+        return {
+            f"{prefix}fwd_ms": events_median(forward),
+            f"{prefix}fwdbwd_ms": events_median(forward_backward),
+            f"{prefix}fwdbwd_peak_mib": peak_mib(forward_backward),
+        }
 
     result = {
         "gpu": torch.cuda.get_device_name(),
@@ -99,29 +109,17 @@ def main() -> None:
         "keep_blocks": args.keep_blocks,
         "executed_fraction_of_causal": visible,
         "build_ms": events_median(build),
-        "fwd_ms": events_median(forward),
-        "fwdbwd_ms": events_median(forward_backward),
-        "fwdbwd_peak_mib": peak_mib(forward_backward),
+        **attention_times("", block_mask=block_mask),
     }
     # The token-level causal top-w mask of the same keys (w = keep_blocks x 128), as per-key
     # expiry rows (dmattn_cute/topw.py): its build, then the attention reading it.
     width = args.keep_blocks * BLOCK
     expiry = topw_expiry(bias.detach(), width)
 
-    def topw_forward():
-        with torch.no_grad():
-            flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, key_expiry=expiry)
-
-    def topw_forward_backward():
-        out = flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, key_expiry=expiry)
-        torch.autograd.grad(out, (q, k, v, bias), dout)
-
     result |= {
         "topw_w": width,
         "topw_build_ms": events_median(lambda: topw_expiry(bias.detach(), width)),
-        "topw_fwd_ms": events_median(topw_forward),
-        "topw_fwdbwd_ms": events_median(topw_forward_backward),
-        "topw_fwdbwd_peak_mib": peak_mib(topw_forward_backward),
+        **attention_times("topw_", key_expiry=expiry),
     }
     if not args.no_flex:
         try:

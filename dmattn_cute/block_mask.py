@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dmattn_cute.problem import check_bool, check_window_size
+from dmattn_cute.problem import check_bool, check_compact_mask, check_window_size
 
 BLOCK = 128
 
@@ -45,24 +45,13 @@ def check_block_mask(
 ) -> None:
     """Raise TypeError / ValueError unless block_mask is a bool [Bm, Hm, Mq, Mk] block mask
     of this problem (see the module) on `device`."""
-    if not isinstance(block_mask, Tensor):
-        raise TypeError(f"block_mask: expected a torch.Tensor or None, got {type(block_mask)}")
-    if block_mask.dtype != torch.bool:
-        raise TypeError(f"block_mask: expected dtype torch.bool, got {block_mask.dtype}")
-    if block_mask.device != device:
-        raise ValueError(
-            f"block_mask: expected device {device} like query, got {block_mask.device}"
-        )
     m_blocks, n_blocks = block_counts(seqlen_q, seqlen_k)
-    allowed = ((1, batch), (1, heads_kv, heads), (1, m_blocks), (n_blocks,))
-    if block_mask.dim() != 4 or any(
-        size not in sizes for size, sizes in zip(block_mask.shape, allowed, strict=True)
-    ):
-        raise ValueError(
-            f"block_mask: expected [Bm, Hm, Mq, Mk] with Bm in {{1, {batch}}}, Hm in "
-            f"{{1, {heads_kv}, {heads}}}, Mq in {{1, {m_blocks}}} (ceil(Sq / {BLOCK})) and "
-            f"Mk = {n_blocks} (ceil(Sk / {BLOCK})), got shape {tuple(block_mask.shape)}"
-        )
+    check_compact_mask(
+        "block_mask", block_mask, torch.bool, device,
+        ((1, batch), (1, heads_kv, heads), (1, m_blocks), (n_blocks,)),
+        lambda: f"[Bm, Hm, Mq, Mk] with Bm in {{1, {batch}}}, Hm in {{1, {heads_kv}, {heads}}}, "
+        f"Mq in {{1, {m_blocks}}} (ceil(Sq / {BLOCK})) and Mk = {n_blocks} (ceil(Sk / {BLOCK}))",
+    )  # fmt: skip
 
 
 def expand_block_mask(block_mask: Tensor, seqlen_q: int, seqlen_k: int) -> Tensor:

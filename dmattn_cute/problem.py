@@ -100,6 +100,24 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_compact_mask(
+    name: str, t: object, dtype: torch.dtype, device, allowed: tuple, layout
+) -> None:
+    """A compact mask argument (block mask, key expiry rows): a tensor of `dtype` on `device`
+    whose every dim's size is in its tuple of `allowed`; TypeError / ValueError naming `name`
+    otherwise, the expected shape said by `layout()` (built only then)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} like query, got {t.device}")
+    if t.dim() != len(allowed) or any(
+        size not in sizes for size, sizes in zip(t.shape, allowed, strict=True)
+    ):
+        raise ValueError(f"{name}: expected {layout()}, got shape {tuple(t.shape)}")
+
+
 def check_window_size(window_size: object) -> tuple[int, int]:
     """(left, right) from a pair of ints, each -1 (unbounded) or >= 0."""
     if not (

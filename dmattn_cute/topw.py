@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from dmattn_cute.block_mask import and_masks
+from dmattn_cute.problem import check_compact_mask
 
 _TEMP_BYTES = 1 << 30
 
@@ -109,22 +110,12 @@ def check_key_expiry(
 ) -> None:
     """Raise TypeError / ValueError unless key_expiry is an int32 [Be, He, Sk] tensor with Be
     in {1, B} and He in {1, Hkv, H} on `device` (flash_dmattn_func's key_expiry)."""
-    if not isinstance(key_expiry, Tensor):
-        raise TypeError(f"key_expiry: expected a torch.Tensor or None, got {type(key_expiry)}")
-    if key_expiry.dtype != torch.int32:
-        raise TypeError(f"key_expiry: expected dtype torch.int32, got {key_expiry.dtype}")
-    if key_expiry.device != device:
-        raise ValueError(
-            f"key_expiry: expected device {device} like query, got {key_expiry.device}"
-        )
-    allowed = ((1, batch), (1, heads_kv, heads), (seqlen_k,))
-    if key_expiry.dim() != 3 or any(
-        size not in sizes for size, sizes in zip(key_expiry.shape, allowed, strict=True)
-    ):
-        raise ValueError(
-            f"key_expiry: expected [Be, He, Sk] with Be in {{1, {batch}}}, He in "
-            f"{{1, {heads_kv}, {heads}}} and Sk = {seqlen_k}, got shape {tuple(key_expiry.shape)}"
-        )
+    check_compact_mask(
+        "key_expiry", key_expiry, torch.int32, device,
+        ((1, batch), (1, heads_kv, heads), (seqlen_k,)),
+        lambda: f"[Be, He, Sk] with Be in {{1, {batch}}}, He in {{1, {heads_kv}, {heads}}} and "
+        f"Sk = {seqlen_k}",
+    )  # fmt: skip
 
 
 def with_key_expiry(

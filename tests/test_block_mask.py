@@ -14,8 +14,8 @@ from dmattn_cute.block_mask import BLOCK, _visible_blocks, block_counts
 from dmattn_cute.kernels.block_mask_launch import block_bits, joint_mask
 from dmattn_cute.kernels.masking import FULL, VISIBLE
 from dmattn_cute.problem import Problem, broadcast_view
-from dmattn_cute.reference import attention_ref, visible_mask
-from tests.utils import check_close, leaves, random_inputs
+from dmattn_cute.reference import visible_mask
+from tests.utils import compact_mask_grads_and_check, random_inputs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -46,22 +46,7 @@ def attention_and_grads(q, k, v, mask, bias, block_mask, **kwargs):
             t.repeat_interleave(group, 1) if 1 < t.shape[1] < heads else t for t in (m4, dense)
         )
         dense = m4 & dense
-    dout = torch.randn_like(q)
-    results = []
-    for dtype, use_block in ((None, True), (torch.float32, False), (None, False)):
-        q1, k1, v1 = leaves((q, k, v), dtype)
-        b1 = None if bias is None else leaves((bias,), dtype)[0]
-        if use_block:
-            out = flash_dmattn_func(q1, k1, v1, mask, b1, block_mask=block_mask, **kwargs)
-        else:
-            compute = torch.float32 if dtype is not None else None
-            ref_kwargs = {k: v for k, v in kwargs.items() if k != "deterministic"}
-            out, _ = attention_ref(q1, k1, v1, dense, b1, compute_dtype=compute, **ref_kwargs)
-        out.backward(dout.to(out.dtype))
-        grads = [t.grad for t in (q1, k1, v1, b1) if t is not None]
-        results.append([out, *grads])
-    for name, got, ref, lowp in zip(("out", "dq", "dk", "dv", "dbias"), *results, strict=False):
-        check_close(name, got, ref, lowp.to(ref.dtype), q.dtype)
+    compact_mask_grads_and_check(q, k, v, mask, bias, dense, {"block_mask": block_mask}, **kwargs)
 
 
 CASES = {

@@ -181,16 +181,10 @@ def leaves(tensors, dtype=None):
     ]
 
 
-def expiry_grads_and_check(q, k, v, mask, bias, expiry, **kwargs):
-    """Ours with key_expiry vs the fp32 and low-precision references given the element mask
-    of its definition (query i keeps key j while i + Sk - Sq < expiry[j]; causal, when
-    asked, by the reference's is_causal) ANDed with attn_mask (one mask head, or as many as
-    the expiry); out and grads checked."""
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    rows = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
-    dense = rows < expiry[..., None, :]  # written apart from with_key_expiry
-    if mask is not None:
-        dense = dense & mask
+def compact_mask_grads_and_check(q, k, v, mask, bias, dense, compact: dict, **kwargs):
+    """Ours given a compact mask (`compact`: block_mask= or key_expiry=) and attn_mask vs the
+    fp32 and low-precision references given `dense`, the element mask they stand for
+    together; out and the gradients of q, k, v and bias checked."""
     dout = torch.randn_like(q)
     ref_kwargs = {name: value for name, value in kwargs.items() if name != "deterministic"}
     results = []
@@ -198,7 +192,7 @@ def expiry_grads_and_check(q, k, v, mask, bias, expiry, **kwargs):
         q1, k1, v1 = leaves((q, k, v), dtype)
         b1 = None if bias is None else leaves((bias,), dtype)[0]
         if ours:
-            out = flash_dmattn_func(q1, k1, v1, mask, b1, key_expiry=expiry, **kwargs)
+            out = flash_dmattn_func(q1, k1, v1, mask, b1, **compact, **kwargs)
         else:
             compute = torch.float32 if dtype is not None else None
             out, _ = attention_ref(q1, k1, v1, dense, b1, compute_dtype=compute, **ref_kwargs)
@@ -206,6 +200,18 @@ def expiry_grads_and_check(q, k, v, mask, bias, expiry, **kwargs):
         results.append([out, *(t.grad for t in (q1, k1, v1, b1) if t is not None)])
     for name, got, ref, lowp in zip(("out", "dq", "dk", "dv", "dbias"), *results, strict=False):
         check_close(name, got, ref, lowp.to(ref.dtype), q.dtype)
+
+
+def expiry_grads_and_check(q, k, v, mask, bias, expiry, **kwargs):
+    """compact_mask_grads_and_check of key_expiry, whose element mask is its definition (query
+    i keeps key j while i + Sk - Sq < expiry[j]; causal, when asked, by the reference's
+    is_causal) ANDed with attn_mask (one mask head, or as many as the expiry)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    rows = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
+    dense = rows < expiry[..., None, :]  # written apart from with_key_expiry
+    if mask is not None:
+        dense = dense & mask
+    compact_mask_grads_and_check(q, k, v, mask, bias, dense, {"key_expiry": expiry}, **kwargs)
 
 
 def grads_and_check(
