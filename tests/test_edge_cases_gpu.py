@@ -208,6 +208,36 @@ def test_finfo_min_bias(dtype, bias_dtype, softcap):
     grads_and_check(q, k, v, mask, bias, dout=dout, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "bias_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.bfloat16, torch.float32)],
+)  # fmt: skip
+def test_finfo_min_row_bias(dtype, bias_dtype):
+    """A row bias [B, H, 1, Sk] with finfo.min padding keys, -inf keys, and one (batch, head)
+    padded whole (its rows average their visible values uniformly): the Hopper forward forms
+    these scores in log2 units (Scores.log2_units), and the backward rebuilds P from the
+    stats it stores, converted to accumulator units."""
+    b, h, sq, sk = 2, 2, 200, 300
+    q, k, v, mask, bias = random_inputs(
+        b, sq, sk, h, h, 64, dtype, "cuda", mask_shape=(b, 1, sq, sk), mask_density=0.8,
+        bias_shape=(b, h, 1, sk), bias_dtype=bias_dtype,
+    )  # fmt: skip
+    pad = torch.finfo(bias_dtype).min
+    bias[:, :, :, 250:] = pad  # padded keys
+    bias[0, 1, :, :70] = float("-inf")
+    bias[1, 0] = pad  # every key of these rows
+    out, lse = flash_dmattn_func(q, k, v, mask, bias, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, mask, bias)
+    lowp, lowp_lse = attention_ref(q, k, v, mask, bias, compute_dtype=None)
+    check_close("out", out, ref, lowp, dtype)
+    lse_rows = torch.ones(b, h, dtype=torch.bool, device="cuda")
+    lse_rows[1, 0] = False
+    check_close("lse", lse[lse_rows], ref_lse[lse_rows], lowp_lse.float()[lse_rows], dtype)
+    # the padded rows' lse: huge and finite (clamped in float32), not the reference's value
+    assert bool(lse[1, 0].isfinite().all()) and bool((lse[1, 0] < -1e30).all())
+    grads_and_check(q, k, v, mask, bias)
+
+
 def ulp_f32(x: float) -> float:
     """The float32 spacing at x."""
     return ulp(torch.tensor([x], dtype=torch.float64), torch.float32).item()

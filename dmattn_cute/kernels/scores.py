@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import cutlass
 from cutlass import cute
 
-from .utils import acc_mn_view, mul_rz
+from .spec import LOG2E
+from .utils import acc_mn_view, fma, mul_rz
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ class Scores:
     bias_rows_shared: cutlass.Constexpr[bool] = False
     bias_after_gemm: cutlass.Constexpr[bool] = False
     mask_expiry: cutlass.Constexpr[bool] = False
+    # With bias_after_gemm and no softcap: finish leaves the scores in log2 units,
+    # S * scale_log2 + bias * log2(e) by one FMA per score (OnlineSoftmax.log2_units then
+    # only subtracts the max). The bias * log2(e) of a column is rounded toward zero, as
+    # bias / scale is: a finfo.min bias gives -FLT_MAX for every key of its row.
+    log2_units: cutlass.Constexpr[bool] = False
+    scale_log2: cutlass.Float32 | None = None
 
     @cute.jit
     def start(self, acc_s: cute.Tensor, t_bias: cute.Tensor | None):
@@ -90,7 +97,14 @@ class Scores:
                 bias.store(t_bias.load().to(cutlass.Float32))
                 capped = capped + bias.load()
             acc_s.store(capped)
-        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_after_gemm):
+        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.log2_units):
+            # a query-broadcast bias after Q K^T (the Hopper forward), in log2 units
+            acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
+            for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
+                column = mul_rz(cutlass.Float32(bias_mn[0, c]), cutlass.Float32(LOG2E))
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                    acc_mn[r, c] = fma(acc_mn[r, c], self.scale_log2, column)
+        elif cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_after_gemm):
             # a query-broadcast bias after Q K^T (the Hopper kernels): bias / scale per column
             acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
             for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import cutlass
 from cutlass import cute
 
-from .utils import acc_mn_view, quad_allreduce_max, quad_allreduce_sum
+from .utils import acc_mn_view, mul_rz, quad_allreduce_max, quad_allreduce_sum
 
 LN2 = math.log(2.0)
 
@@ -29,15 +29,20 @@ class OnlineSoftmax:
     huge_scores: cutlass.Constexpr[bool]
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    # Scores arrive in log2 units (Scores.log2_units): exp2(s - max), nothing to scale, and
+    # row_max in those units; store_stats converts it to accumulator units for the backward.
+    log2_units: cutlass.Constexpr[bool] = False
 
     @staticmethod
-    def create(num_rows: int, scale_log2: cutlass.Float32, huge_scores: bool) -> OnlineSoftmax:
+    def create(
+        num_rows: int, scale_log2: cutlass.Float32, huge_scores: bool, log2_units: bool = False
+    ) -> OnlineSoftmax:
         """The state of `num_rows` rows before any key block: max -inf, sum 0."""
         row_max = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_sum = cute.make_rmem_tensor(num_rows, cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(scale_log2, huge_scores, row_max, row_sum)
+        return OnlineSoftmax(scale_log2, huge_scores, row_max, row_sum, log2_units)
 
     @cute.jit
     def update(self, acc_s: cute.Tensor, acc_o: cute.Tensor):
@@ -59,7 +64,10 @@ class OnlineSoftmax:
             prev_max = self.row_max[r]
             new_max = cute.arch.fmax(prev_max, block_max)
             base = 0.0 if new_max == -cutlass.Float32.inf else new_max
-            if cutlass.const_expr(self.huge_scores):
+            if cutlass.const_expr(self.log2_units):
+                probs = cute.math.exp2(row - base, fastmath=True)
+                correction[r] = cute.math.exp2(prev_max - base, fastmath=True)
+            elif cutlass.const_expr(self.huge_scores):
                 probs = cute.math.exp2((row - base) * self.scale_log2, fastmath=True)
                 correction[r] = cute.math.exp2((prev_max - base) * self.scale_log2, fastmath=True)
             else:
@@ -90,7 +98,7 @@ class OnlineSoftmax:
         backward's exp2(s - max - log2sum) is 0). A NaN sum propagates.
         """
         o_mn = acc_mn_view(acc_o)
-        scale = self.scale_log2 * LN2
+        scale = LN2 if cutlass.const_expr(self.log2_units) else self.scale_log2 * LN2
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             total = quad_allreduce_sum(self.row_sum[r])
             empty = total == 0.0
@@ -111,8 +119,11 @@ class OnlineSoftmax:
         folded (compile-time, no bias): scores are bounded, so max and sum fold into one
         shift (stats[0] = 0, stats[1] = max * scale_log2 + log2 sum; +inf for an empty row)
         and the backward loads one value per row. Otherwise stats[0] is the row max in
-        accumulator units (0 for an empty row) and stats[1] the log2 row sum.
+        accumulator units (0 for an empty row) and stats[1] the log2 row sum; a max in log2
+        units is divided by scale_log2, rounded toward zero (a -FLT_MAX row stays finite, as
+        the backward's bias / scale does).
         """
+        to_accumulator = 1.0 / self.scale_log2
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = coord_mn[r, 0][0]
@@ -127,6 +138,8 @@ class OnlineSoftmax:
                             else row_max * self.scale_log2 + row_log2sum[r]
                         )
                     else:
+                        if cutlass.const_expr(self.log2_units):
+                            row_max = mul_rz(row_max, to_accumulator)
                         mStats[b, h, 0, row] = 0.0 if row_max == -cutlass.Float32.inf else row_max
                         mStats[b, h, 1, row] = row_log2sum[r]
 

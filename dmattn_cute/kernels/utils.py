@@ -106,6 +106,22 @@ def mul_rz(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutl
 
 
 @dsl_user_op
+def fma(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32, *, loc=None, ip=None):
+    """a * b + c with one rounding (fma.rn.f32), whatever the compiler's contraction."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c)],
+            "fma.rn.f32 $0, $1, $2, $3;",
+            "=f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
 def pack_f32x2(lo: cutlass.Float32, hi: cutlass.Float32, dtype, *, loc=None, ip=None):
     """(lo, hi) rounded to nearest into one 32-bit word of two 16-bit floats (`dtype`), lo in
     the low half: one cvt instead of two and a pack."""

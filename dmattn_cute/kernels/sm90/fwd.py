@@ -523,14 +523,18 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.bias_tma):
             views["bias"] = thr_qk.partition_C(sBias)
         row_bias = spec.bias is not None and spec.bias.row_broadcast
+        # a row bias without softcap: scores in log2 units, one FMA each (Scores.log2_units)
+        log2_units = row_bias and not spec.has_softcap
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=row_bias, bias_after_gemm=row_bias,
             mask_expiry=spec.mask is not None and spec.mask.dtype == "i32",
+            log2_units=log2_units, scale_log2=scale_log2,
         )  # fmt: skip
         softmax = OnlineSoftmax.create(
-            cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None
-        )
+            cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None,
+            log2_units,
+        )  # fmt: skip
         if cutlass.const_expr(self.take_turns):
             if wg == 0:  # the first consumer takes the first turn
                 cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER, number_of_threads=256)
