@@ -6,8 +6,9 @@ The mask has all-False key blocks and rows (skipped tiles), the bias is [1, H, 1
 column sums across the heads of a group), GQA 2/1 and a sliding window; the backward runs
 once in default mode (atomics; on Hopper the wgmma backward) and once deterministic (turn
 counters). Then a forward and backward with a full [1, H, S, S] bias and softcap (on Hopper:
-the bias by TMA in the forward), a causal one without mask or bias, and a causal one with
-top-w expiry rows (key_expiry) whose backward splits its walks.
+the bias by TMA in the forward), 7 queries of the first (on Hopper: the short-query forward's
+64-key tiles), a causal one without mask or bias, and a causal one with top-w expiry rows
+(key_expiry) whose backward splits its walks.
 """
 
 from __future__ import annotations
@@ -61,6 +62,25 @@ def main() -> None:
         for name, got, want in zip(("dq", "dk", "dv", "dbias"), ours, leaves, strict=True)
     }
     print(f"full bias, softcap: max abs err out {err:.3e}, rel err "
+          + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
+    assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
+    # At most 64 queries with a mask: the Hopper forward walks 64-key tiles.
+    rows = slice(590, 597)  # straddles the fully masked query rows from 600 on
+    leaves = [q[:, rows].detach().float().requires_grad_()]
+    leaves += [t.detach().float().requires_grad_() for t in (k, v, bias)]
+    short_mask = mask[:, :, rows]
+    ref_short, _ = attention_ref(*leaves[:3], short_mask, leaves[3])
+    ref_short.backward(dout[:, rows].float())
+    ours = [q[:, rows].detach().clone().requires_grad_()]
+    ours += [t.detach().clone().requires_grad_() for t in (k, v, bias)]
+    out = flash_dmattn_func(*ours[:3], short_mask, ours[3])
+    out.backward(dout[:, rows])
+    err = (out.float() - ref_short).abs().max().item()
+    grads = {
+        name: ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
+        for name, got, want in zip(("dq", "dk", "dv", "dbias"), ours, leaves, strict=True)
+    }
+    print(f"7 queries, mask: max abs err out {err:.3e}, rel err "
           + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
     assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
     # No mask or bias: the Hopper backward's dense walk (every query block, no tile loads).
