@@ -3,8 +3,10 @@ packed as rows (PackGQA: K and V are read once per kv head, not once per query h
 keys split into chunks run side by side (split-KV: enough CTAs to read the cache at the
 GPU's bandwidth), their partial outputs merged by their log-sum-exps.
 
-Used by flash_dmattn_with_kvcache for Sq = 1. A kernel that does both in one launch (and
-combines in a second) is the next step (issue 16)."""
+Used by flash_dmattn_with_kvcache for Sq = 1. On CUDA the chunks run as one forward launch
+where the keys divide evenly (else one per chunk), and the merge is one more
+(kernels/combine.py). The forward reading its chunk of the keys itself (no copies of the
+mask/bias rows, any Sk) is the next step (issue 16)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dmattn_cute.attention import flash_dmattn_func
+from dmattn_cute.kernels.combine_launch import combine_splits
 
 
 def decode_splits(batch: int, heads_kv: int, seqlen_k: int, sms: int) -> int:
@@ -74,7 +77,11 @@ def packed_decode(
             outs.append(out)
             lses.append(lse)
         outs, lses = torch.stack(outs, dim=1), torch.stack(lses, dim=1)
-    # outs [B, splits, group, Hkv, D], lses [B, splits, Hkv, group]: a few whole-tensor ops
+    # outs [B, splits, group, Hkv, D], lses [B, splits, Hkv, group]
+    if outs.is_cuda:
+        out, lse = combine_splits(outs, lses)  # one launch: [B, Hkv, group, D], [B, Hkv, group]
+        return out.view(batch, 1, heads, head_dim), lse.view(batch, heads, 1)
+    # the reference path (CPU): the same merge in whole-tensor ops
     lse = torch.logsumexp(lses, dim=1)
     # -inf - -inf: a chunk and the whole row without a visible key weigh 0
     weights = torch.exp(lses - lse[:, None]).nan_to_num_(0.0)

@@ -11,6 +11,7 @@ from dmattn_cute.jit.arch import smem_capacity
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
 from dmattn_cute.kernels.bwd import BwdSpec, DbiasSpec
 from dmattn_cute.kernels.bwd_pre import BwdPreprocessSpec
+from dmattn_cute.kernels.combine import CombineSpec
 from dmattn_cute.kernels.config import smem_total
 from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
 from dmattn_cute.kernels.fwd_launch import forward_family
@@ -65,6 +66,18 @@ def test_bwd_pre_ptx_targets_the_arch(
 def test_bwd_pre_loads_128_bit_vectors(target: str, dtype: str, head_dim: int) -> None:
     loads = re.findall(r"\bld\.global\.\S+", bwd_pre_ptx(target, dtype, head_dim))
     assert loads and all(".v4.b32" in load for load in loads), loads
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [("bf16", 128), ("fp16", 40), ("bf16", 256)])
+@pytest.mark.parametrize("target", SUPPORTED_ARCHS)
+def test_combine_compiles(target: str, dtype: str, head_dim: int) -> None:
+    """The split-KV combine: one kernel, no shared memory, for every architecture."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        ptx = CombineSpec.build(dtype, head_dim).compile(
+            target, f"--keep-ptx --dump-dir {dump_dir}"
+        ).artifacts.PTX
+    assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == [target]
+    assert ".shared" not in ptx
 
 
 def fwd_spec_for(
