@@ -7,8 +7,9 @@ column sums across the heads of a group), GQA 2/1 and a sliding window; the back
 once in default mode (atomics; on Hopper the wgmma backward) and once deterministic (turn
 counters). Then a forward and backward with a full [1, H, S, S] bias and softcap (on Hopper:
 the bias by TMA in the forward), 7 queries of the first (on Hopper: the short-query forward's
-64-key tiles), a causal one without mask or bias, and a causal one with top-w expiry rows
-(key_expiry) whose backward splits its walks.
+64-key tiles), a causal one without mask or bias, a causal one with top-w expiry rows
+(key_expiry) whose backward splits its walks, and decode steps through the kv-cache API (its
+chunks' outputs merged by the combine kernel).
 """
 
 from __future__ import annotations
@@ -108,6 +109,22 @@ def main() -> None:
     print(f"top-w expiry, split walks: max abs err out {err:.3e}, rel err "
           + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
     assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
+    # Decode: heads packed, keys split into chunks (one launch where they divide the cache,
+    # else one per chunk), merged by the combine kernel.
+    from dmattn_cute import flash_dmattn_with_kvcache
+
+    for seqlen_cache in (s, s + 1):
+        cache = [torch.randn(2, seqlen_cache, hkv, d, **kw) for _ in range(2)]
+        step = torch.randn(2, 1, h, d, **kw)
+        row_mask = torch.rand(2, hkv, 1, seqlen_cache, device="cuda") < 0.3
+        row_bias = torch.randn(2, hkv, 1, seqlen_cache, **kw)
+        out, lse = flash_dmattn_with_kvcache(
+            step, *cache, attn_mask=row_mask, attn_bias=row_bias, return_lse=True
+        )
+        ref_step, _ = attention_ref(step, *cache, row_mask, row_bias)
+        err = (out.float() - ref_step.float()).abs().max().item()
+        print(f"decode, cache {seqlen_cache}: max abs err out {err:.3e}")
+        assert err < 2e-2 and lse.isfinite().all()
 
 
 if __name__ == "__main__":
