@@ -231,3 +231,21 @@ def test_report_tables_and_plots(tmp_path: Path) -> None:
     assert "3 variants (2 compiled, 1 already in the disk cache) by 2 processes in 9.5 s" in text
     for name in ("r_speedup_vs_density.png", "r_tflops_vs_seqlen.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_varlen_bench_layouts_hold_the_same_sequences() -> None:
+    """bench.varlen's padded batch and packed tokens: the same outputs on the real rows and
+    the same bias gradient on the real keys (CPU: the reference path of both APIs)."""
+    from bench.varlen import make_layouts, sequence_lengths
+
+    assert sequence_lengths(4096, 8) == [4096 - 256 * i for i in range(8)]
+    lay = make_layouts([7, 3, 5], 4, 2, 32, "cpu", torch.bfloat16)
+    assert lay.cu_seqlens.tolist() == [0, 7, 10, 15] and int(lay.valid.sum()) == 15
+    for causal in (False, True):
+        padded, packed = lay.padded_call(causal), lay.packed_call(causal)
+        torch.testing.assert_close(packed, padded[lay.valid])
+        # padding query rows see the real keys too: their gradient must not count
+        dout = torch.randn_like(padded) * lay.valid[:, :, None, None]
+        bias_padded = torch.autograd.grad(padded, lay.padded[4], dout)[0]
+        bias_packed = torch.autograd.grad(packed, lay.packed[3], dout[lay.valid])[0]
+        torch.testing.assert_close(bias_packed, bias_padded[:, :, 0].transpose(0, 1)[:, lay.valid])

@@ -73,9 +73,11 @@ def test_bwd_pre_loads_128_bit_vectors(target: str, dtype: str, head_dim: int) -
 def test_combine_compiles(target: str, dtype: str, head_dim: int) -> None:
     """The split-KV combine: one kernel, no shared memory, for every architecture."""
     with tempfile.TemporaryDirectory() as dump_dir:
-        ptx = CombineSpec.build(dtype, head_dim).compile(
-            target, f"--keep-ptx --dump-dir {dump_dir}"
-        ).artifacts.PTX
+        ptx = (
+            CombineSpec.build(dtype, head_dim)
+            .compile(target, f"--keep-ptx --dump-dir {dump_dir}")
+            .artifacts.PTX
+        )
     assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == [target]
     assert ".shared" not in ptx
 
