@@ -15,8 +15,10 @@ import math
 import torch
 from torch import Tensor
 
-from dmattn_cute.attention import flash_dmattn_func
+from dmattn_cute.attention import _eager_cuda, flash_dmattn_func
 from dmattn_cute.kernels.combine_launch import combine_splits
+from dmattn_cute.kernels.fwd_launch import flash_fwd
+from dmattn_cute.problem import make_problem
 
 
 def decode_splits(batch: int, heads_kv: int, seqlen_k: int, sms: int) -> int:
@@ -54,26 +56,32 @@ def packed_decode(
     `splits` chunks.
 
     Each chunk runs the forward on q viewed as [B, group, Hkv, D] (a view: the group's heads
-    as its query rows), its mask/bias sliced alike; the chunks' outputs are merged with the
+    as its query rows), its mask/bias sliced alike: all chunks in one forward where
+    chunk_fold finds a way, else one forward each. The chunks' outputs are merged with the
     weights exp(lse_chunk - lse), lse the log-sum-exp of theirs (a row with no visible key
     anywhere: out 0, lse -inf)."""
     batch, _, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads // heads_kv
-    packed = q[:, 0].view(batch, heads_kv, group, head_dim).transpose(1, 2)
-    if splits > 1 and seqlen_k % splits == 0 and k.is_contiguous() and v.is_contiguous():
-        # one launch: chunk s of row b is batch entry b * splits + s (k, v: views)
-        outs, lses = _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits)
+    fold = chunk_fold(k, v, splits)
+    if fold is not None:
+        out, lse = _forward(
+            *chunk_operands(q, k, v, mask, bias, splits, fold), softmax_scale, softcap
+        )
+        if fold == "batch":  # chunk s of row b: batch entry b * splits + s
+            outs = out.view(batch, splits, group, heads_kv, head_dim)
+            lses = lse.view(batch, splits, heads_kv, group)
+        else:  # chunk s of kv head h: head h * splits + s
+            outs = out.view(batch, group, heads_kv, splits, head_dim).permute(0, 3, 1, 2, 4)
+            lses = lse.view(batch, heads_kv, splits, group).transpose(1, 2)
     else:
+        packed = _packed_queries(q, heads_kv)
         chunk = -(-seqlen_k // splits)
         outs, lses = [], []
         for start in range(0, seqlen_k, chunk):
             keys = slice(start, min(seqlen_k, start + chunk))
             parts = [t if t is None or t.shape[-1] == 1 else t[..., keys] for t in (mask, bias)]
-            out, lse = flash_dmattn_func(
-                packed, k[:, keys], v[:, keys], *parts, softmax_scale=softmax_scale,
-                softcap=softcap, return_lse=True,
-            )  # fmt: skip
+            out, lse = _forward(packed, k[:, keys], v[:, keys], *parts, softmax_scale, softcap)
             outs.append(out)
             lses.append(lse)
         outs, lses = torch.stack(outs, dim=1), torch.stack(lses, dim=1)
@@ -90,36 +98,92 @@ def packed_decode(
     return out, lse.reshape(batch, heads, 1)
 
 
-def _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits):
-    """The chunks' outputs [B, splits, group, Hkv, D] and lses [B, splits, Hkv, group] from
-    one forward over B * splits batch entries: contiguous k, v viewed as
-    [B * splits, Sk / splits, Hkv, D]; the packed queries (tiny) and the mask/bias rows
-    (the size of one key row per batch and head) copied into that batch order."""
-    batch, group, heads_kv, head_dim = packed.shape
-    chunk = k.shape[1] // splits
-    keys = k.view(batch * splits, chunk, heads_kv, head_dim)
-    values = v.view(batch * splits, chunk, heads_kv, head_dim)
-    queries = packed.unsqueeze(1).expand(batch, splits, group, heads_kv, head_dim)
-    queries = queries.reshape(batch * splits, group, heads_kv, head_dim)
-
-    def rows(t):  # [Bm, Hm, 1, Sk] -> [B * splits, Hm, 1, chunk] (a key-broadcast one as is)
-        if t is None or t.shape[-1] == 1:
-            return (
-                None
-                if t is None
-                else t.expand(batch, *t.shape[1:]).repeat_interleave(splits, dim=0)
-            )
-        t = t.expand(batch, *t.shape[1:])
-        return t.unflatten(-1, (splits, chunk)).movedim(3, 1).flatten(0, 1)
-
-    out, lse = flash_dmattn_func(
-        queries, keys, values, rows(mask), rows(bias), softmax_scale=softmax_scale,
-        softcap=softcap, return_lse=True,
-    )  # fmt: skip
-    return (
-        out.view(batch, splits, group, heads_kv, head_dim),
-        lse.view(batch, splits, heads_kv, group),
+def _forward(q, k, v, mask, bias, softmax_scale, softcap) -> tuple[Tensor, Tensor]:
+    """out, lse of one forward over chunks: eager CUDA tensors go to the kernels directly (a
+    chunk with one query per row must not take flash_dmattn_func's decode route again),
+    others to flash_dmattn_func (the op: torch.compile, CPU)."""
+    if _eager_cuda(q):
+        problem, mask4, bias4 = make_problem(
+            q, k, v, mask, bias, softmax_scale, False, softcap, (-1, -1), False
+        )
+        out, lse, _ = flash_fwd(problem, q, k, v, mask4, bias4)
+        return out, lse
+    return flash_dmattn_func(
+        q, k, v, mask, bias, softmax_scale=softmax_scale, softcap=softcap, return_lse=True
     )
 
 
-__all__ = ["decode_splits", "packable", "packed_decode"]
+def _packed_queries(q: Tensor, heads_kv: int) -> Tensor:
+    """q [B, 1, H, D] viewed as [B, group, Hkv, D]: a group's heads as its query rows."""
+    batch, _, heads, head_dim = q.shape
+    return q[:, 0].view(batch, heads_kv, heads // heads_kv, head_dim).transpose(1, 2)
+
+
+def chunk_fold(k: Tensor, v: Tensor, splits: int) -> str | None:
+    """How `splits` chunks of the keys run as one forward, by views of k and v (no copies):
+    "batch" for contiguous [B, Sk, Hkv, D] (chunk s of row b as batch entry b * splits + s),
+    "heads" for the transposed storage of [B, Hkv, Sk, D] (as transformers' caches hold it:
+    chunk s of kv head h as head h * splits + s); None when splits is 1 or does not divide Sk,
+    or for other layouts."""
+    seqlen_k = k.shape[1]
+    if splits == 1 or seqlen_k % splits != 0:
+        return None
+    if k.is_contiguous() and v.is_contiguous():
+        return "batch"
+    if all(
+        t.stride(3) == 1 and t.stride(1) == t.shape[3] and t.stride(2) == seqlen_k * t.stride(1)
+        for t in (k, v)
+    ):
+        return "heads"
+    return None
+
+
+def chunk_operands(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    splits: int,
+    fold: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """q, k, v, mask, bias of the one forward that runs every chunk, folded as chunk_fold
+    says: k, v as views ([B * splits, chunk, Hkv, D] or [B, chunk, Hkv * splits, D]); the
+    packed queries (tiny) and the mask/bias rows (the size of one key row per batch and head)
+    in that order, copied where a view cannot say it."""
+    batch, seqlen_k, heads_kv, head_dim = k.shape
+    packed = _packed_queries(q, heads_kv)
+    group, chunk = packed.shape[1], seqlen_k // splits
+    if fold == "batch":
+        keys, values = (t.view(batch * splits, chunk, heads_kv, head_dim) for t in (k, v))
+        queries = packed.unsqueeze(1).expand(batch, splits, group, heads_kv, head_dim)
+        queries = queries.reshape(batch * splits, group, heads_kv, head_dim)
+    else:
+        keys, values = (
+            t.as_strided(
+                (batch, chunk, heads_kv * splits, head_dim),
+                (t.stride(0), t.stride(1), chunk * t.stride(1), 1),
+                t.storage_offset(),
+            )
+            for t in (k, v)
+        )
+        queries = packed.unsqueeze(3).expand(batch, group, heads_kv, splits, head_dim)
+        queries = queries.reshape(batch, group, heads_kv * splits, head_dim)
+
+    def rows(t):  # [Bm, Hm, 1, Sk] -> [B * splits, Hm, 1, chunk] or [B, Hm', 1, chunk]
+        if t is None:
+            return None
+        t = t.expand(batch, *t.shape[1:])
+        if fold == "batch":
+            if t.shape[-1] == 1:
+                return t.repeat_interleave(splits, dim=0)
+            return t.unflatten(-1, (splits, chunk)).movedim(3, 1).flatten(0, 1)
+        if t.shape[-1] == 1:  # a key-broadcast row: the same for every chunk
+            return t if t.shape[1] == 1 else t.repeat_interleave(splits, dim=1)
+        t = t.expand(batch, heads_kv, 1, seqlen_k)
+        return t.unflatten(-1, (splits, chunk)).movedim(3, 2).flatten(1, 2)
+
+    return queries, keys, values, rows(mask), rows(bias)
+
+
+__all__ = ["chunk_fold", "chunk_operands", "decode_splits", "packable", "packed_decode"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmattn_cute.decode import decode_splits, packable, packed_decode
+from dmattn_cute.decode import chunk_fold, decode_splits, packable, packed_decode
 from dmattn_cute.reference import attention_ref
 from tests.utils import check_close, random_inputs
 
@@ -15,13 +15,20 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits", [1, 3, 7])  # 301 keys: 7 chunks run as one batch
-def test_packed_split_decode_matches_reference(device, splits):
+@pytest.mark.parametrize("mask_heads", [2, 1])
+@pytest.mark.parametrize("layout", ["contiguous", "heads-major"])
+@pytest.mark.parametrize("splits", [1, 3, 7])  # 301 keys: 7 chunks run as one forward
+def test_packed_split_decode_matches_reference(device, splits, layout, mask_heads):
     b, sk, h, hkv, d = 3, 301, 8, 2, 64
     q, k, v, mask, bias = random_inputs(
         b, 1, sk, h, hkv, d, torch.bfloat16, device,
-        mask_shape=(b, hkv, 1, sk), bias_shape=(1, hkv, 1, sk), mask_density=0.6,
+        mask_shape=(b, mask_heads, 1, sk), bias_shape=(1, hkv, 1, sk), mask_density=0.6,
     )  # fmt: skip
+    if layout == "heads-major":  # [B, Hkv, Sk, D] storage, as transformers' caches hold it
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    assert chunk_fold(k, v, splits) == (
+        None if splits != 7 else {"contiguous": "batch", "heads-major": "heads"}[layout]
+    )
     mask[0, :, :, :200] = False  # whole chunks without a visible key
     mask[1] = False  # a row that sees no key at all
     assert packable(q, k, (mask, bias))
@@ -49,3 +56,67 @@ def test_splits_fill_the_gpu_with_long_enough_chunks():
     assert decode_splits(8, 4, 1000, 132) == 2  # chunks of at least 512 keys
     assert decode_splits(8, 4, 32771, 132) == 9  # a prime: no divisor, chunks in a loop
     assert decode_splits(64, 8, 4096, 132) == 1
+
+
+def _step(q, k, v, mask=None, bias=None, window=(-1, -1)):
+    from dmattn_cute.attention import _decode_step
+    from dmattn_cute.problem import make_problem
+
+    problem, _, _ = make_problem(q, k, v, mask, bias, None, True, 0.0, window, False)
+    return _decode_step(problem, q, k, v, mask, bias)
+
+
+def test_plain_decode_steps_run_packed_where_alike():
+    """flash_dmattn_func's decode route (attention._decode_step; eager CUDA calls take it):
+    one query per row with nothing to record, folded chunks or a packed group, no left
+    window; its result is the reference's. Run here on CPU tensors (the reference forward per
+    chunk)."""
+    b, sk, h, hkv, d = 2, 2048, 8, 2, 64
+    q, k, v, mask, bias = random_inputs(
+        b, 1, sk, h, hkv, d, torch.bfloat16, "cpu", mask_shape=(b, 1, 1, sk), bias_shape=(b, hkv, sk)
+    )  # fmt: skip
+    heads_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
+    for keys, values in ((k, v), heads_major):
+        out, lse = _step(q, keys, values, mask, bias)
+        ref, ref_lse = attention_ref(q, k, v, mask, bias, compute_dtype=torch.float32)
+        lowp, _ = attention_ref(q, k, v, mask, bias)
+        check_close("out", out, ref, lowp, q.dtype)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+    assert _step(q, k, v, mask, bias, window=(100, -1)) is None  # a left window limits keys
+    assert _step(q, k, v, mask, bias, window=(sk - 1, -1)) is not None  # ... this one does not
+    q2, k2, v2, _, _ = random_inputs(b, 2, sk, h, hkv, d, torch.bfloat16, "cpu")
+    assert _step(q2, k2, v2) is None  # two queries per row
+    per_head = torch.rand(b, h, 1, sk) < 0.5
+    assert _step(q, k, v, per_head) is None  # a mask per query head: not shared by a group
+    strided = [
+        t[:, :, :1] for t in random_inputs(b, 1, sk, h, 2 * hkv, d, torch.bfloat16, "cpu")[1:3]
+    ]
+    assert _step(q[:, :, :4], *strided) is None  # a sliced cache: chunks not foldable
+    with torch.enable_grad():
+        assert _step(q.requires_grad_(), k, v) is None  # autograd records the call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("layout", ["contiguous", "heads-major"])
+def test_plain_decode_call_on_cuda(monkeypatch, layout, heads):
+    """flash_dmattn_func with one query per row under no_grad, as transformers' decode steps
+    call it: packed and split (the combine kernel runs), the reference's result."""
+    from dmattn_cute import decode, flash_dmattn_func
+
+    merged = []
+    combine = decode.combine_splits
+    monkeypatch.setattr(decode, "combine_splits", lambda *a: merged.append(1) or combine(*a))
+    (h, hkv), b, sk, d = heads, 2, 4096, 128
+    q, k, v, mask, bias = random_inputs(
+        b, 1, sk, h, hkv, d, torch.bfloat16, "cuda", mask_shape=(b, 1, 1, sk), bias_shape=(b, hkv, sk)
+    )  # fmt: skip
+    if layout == "heads-major":
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    with torch.no_grad():
+        out, lse = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
+    assert merged == [1]
+    ref, ref_lse = attention_ref(q, k, v, mask, bias, compute_dtype=torch.float32)
+    lowp, _ = attention_ref(q, k, v, mask, bias)
+    check_close("out", out, ref, lowp, q.dtype)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
