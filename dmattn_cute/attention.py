@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from dmattn_cute.block_mask import check_block_mask, with_block_mask
-from dmattn_cute.ops import attention_fwd, eager_attention
+from dmattn_cute.decode import decode_step
+from dmattn_cute.ops import attention_fwd, eager_attention, eager_cuda
 from dmattn_cute.problem import check_bool, check_problem
 from dmattn_cute.topw import check_key_expiry, with_key_expiry
 
@@ -32,46 +33,6 @@ def _storage_view(bias: Tensor) -> Tensor:
         return bias
     shape = [1 if st == 0 else n for n, st in zip(bias.shape, bias.stride(), strict=True)]
     return base.as_strided(shape, bias.stride(), bias.storage_offset())
-
-
-def _eager_cuda(query: Tensor) -> bool:
-    """Kernels launched directly (no op): a plain CUDA tensor (not a FakeTensor or another
-    subclass) outside torch.compile's tracing."""
-    return (
-        type(query) in (Tensor, torch.nn.Parameter)
-        and query.is_cuda
-        and not torch.compiler.is_compiling()
-    )
-
-
-def _decode_step(problem, query, key, value, attn_mask, attn_bias) -> tuple[Tensor, Tensor] | None:
-    """out, lse of a decode step (one query per row, nothing for autograd to record) run as
-    the kv-cache API runs it: the group's heads packed as rows and the keys split in chunks
-    (dmattn_cute/decode.py), where that computes the same thing and the chunks run as one
-    forward; else None (the call runs as any other). Causal limits nothing for the last
-    query; a left window would, and is left to the kernels."""
-    from dmattn_cute.decode import chunk_fold, decode_splits, packable, packed_decode
-    from dmattn_cute.kernels.bwd_launch import sm_count
-    from dmattn_cute.problem import broadcast_view
-
-    if problem.seqlen_q != 1 or 0 <= problem.window_left < problem.seqlen_k - 1:
-        return None
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
-    ):
-        return None
-    mask, bias = broadcast_view(attn_mask), broadcast_view(attn_bias)
-    if not packable(query, key, (mask, bias)):
-        return None
-    splits = decode_splits(
-        problem.batch, problem.num_heads_kv, problem.seqlen_k, sm_count(query.device, "sm_90a")
-    )
-    group = problem.num_heads // problem.num_heads_kv
-    if chunk_fold(key, value, splits) is None and not (splits == 1 and group > 1):
-        return None  # one forward per chunk: host-bound at short lengths; or nothing gained
-    return packed_decode(
-        query, key, value, mask, bias, problem.softmax_scale, problem.softcap, splits
-    )
 
 
 def flash_dmattn_func(
@@ -131,9 +92,9 @@ def flash_dmattn_func(
         )  # fmt: skip
     if attn_bias is not None:
         attn_bias = _storage_view(attn_bias)
-    if _eager_cuda(query):
+    if eager_cuda(query):
         if block_mask is None and key_expiry is None:
-            decoded = _decode_step(problem, query, key, value, attn_mask, attn_bias)
+            decoded = decode_step(problem, query, key, value, attn_mask, attn_bias)
             if decoded is not None:
                 return decoded if return_lse else decoded[0]
         out, lse = eager_attention(

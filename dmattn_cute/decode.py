@@ -15,10 +15,11 @@ import math
 import torch
 from torch import Tensor
 
-from dmattn_cute.attention import _eager_cuda, flash_dmattn_func
+from dmattn_cute.kernels.bwd_launch import sm_count
 from dmattn_cute.kernels.combine_launch import combine_splits
 from dmattn_cute.kernels.fwd_launch import flash_fwd
-from dmattn_cute.problem import make_problem
+from dmattn_cute.ops import attention_fwd, eager_cuda
+from dmattn_cute.problem import Problem, broadcast_view, make_problem
 
 
 def decode_splits(batch: int, heads_kv: int, seqlen_k: int, sms: int) -> int:
@@ -39,6 +40,39 @@ def packable(q: Tensor, k: Tensor, operands: tuple[Tensor | None, ...]) -> bool:
         and q.stride(2) == q.shape[3]
         and all(t is None or (t.dim() == 4 and t.shape[1] in (1, heads_kv)) for t in operands)
         and heads % heads_kv == 0
+    )
+
+
+def decode_step(
+    problem: Problem,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    attn_bias: Tensor | None,
+) -> tuple[Tensor, Tensor] | None:
+    """out, lse of flash_dmattn_func's decode step (one query per row, nothing for autograd to
+    record) run as the kv-cache API runs it, the group's heads packed as rows and the keys
+    split in chunks, where that computes the same thing and the chunks run as one forward;
+    else None (the call runs as any other). Causal limits nothing for the last query; a left
+    window would, and is left to the kernels."""
+    if problem.seqlen_q != 1 or 0 <= problem.window_left < problem.seqlen_k - 1:
+        return None
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+    ):
+        return None
+    mask, bias = broadcast_view(attn_mask), broadcast_view(attn_bias)
+    if not packable(query, key, (mask, bias)):
+        return None
+    splits = decode_splits(
+        problem.batch, problem.num_heads_kv, problem.seqlen_k, sm_count(query.device, "sm_90a")
+    )
+    group = problem.num_heads // problem.num_heads_kv
+    if chunk_fold(key, value, splits) is None and not (splits == 1 and group > 1):
+        return None  # one forward per chunk: host-bound at short lengths; or nothing gained
+    return packed_decode(
+        query, key, value, mask, bias, problem.softmax_scale, problem.softcap, splits
     )
 
 
@@ -101,16 +135,17 @@ def packed_decode(
 def _forward(q, k, v, mask, bias, softmax_scale, softcap) -> tuple[Tensor, Tensor]:
     """out, lse of one forward over chunks: eager CUDA tensors go to the kernels directly (a
     chunk with one query per row must not take flash_dmattn_func's decode route again),
-    others to flash_dmattn_func (the op: torch.compile, CPU)."""
-    if _eager_cuda(q):
-        problem, mask4, bias4 = make_problem(
-            q, k, v, mask, bias, softmax_scale, False, softcap, (-1, -1), False
-        )
-        out, lse, _ = flash_fwd(problem, q, k, v, mask4, bias4)
-        return out, lse
-    return flash_dmattn_func(
-        q, k, v, mask, bias, softmax_scale=softmax_scale, softcap=softcap, return_lse=True
+    others to the op (torch.compile; the reference on CPU)."""
+    problem, mask4, bias4 = make_problem(
+        q, k, v, mask, bias, softmax_scale, False, softcap, (-1, -1), False
     )
+    if eager_cuda(q):
+        out, lse, _ = flash_fwd(problem, q, k, v, mask4, bias4)
+    else:
+        out, lse, _ = attention_fwd(
+            q, k, v, mask, bias, problem.softmax_scale, False, problem.softcap, -1, -1, False
+        )
+    return out, lse
 
 
 def _packed_queries(q: Tensor, heads_kv: int) -> Tensor:
@@ -186,4 +221,11 @@ def chunk_operands(
     return queries, keys, values, rows(mask), rows(bias)
 
 
-__all__ = ["chunk_fold", "chunk_operands", "decode_splits", "packable", "packed_decode"]
+__all__ = [
+    "chunk_fold",
+    "chunk_operands",
+    "decode_splits",
+    "decode_step",
+    "packable",
+    "packed_decode",
+]

@@ -82,6 +82,16 @@ def _reference(query, key, value, attn_mask, attn_bias, problem: Problem) -> tup
     return out.to(query.dtype), lse
 
 
+def eager_cuda(query: Tensor) -> bool:
+    """Kernels launched directly (no op): a plain CUDA tensor (not a FakeTensor or another
+    subclass) outside torch.compile's tracing."""
+    return (
+        type(query) in (Tensor, torch.nn.Parameter)
+        and query.is_cuda
+        and not torch.compiler.is_compiling()
+    )
+
+
 @torch.library.custom_op("dmattn_cute::fwd", mutates_args=())
 def attention_fwd(
     query: Tensor,
@@ -269,4 +279,4 @@ def eager_attention(
     return out, lse
 
 
-__all__ = ["EagerAttention", "attention_bwd", "attention_fwd", "eager_attention"]
+__all__ = ["EagerAttention", "attention_bwd", "attention_fwd", "eager_attention", "eager_cuda"]

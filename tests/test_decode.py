@@ -59,15 +59,15 @@ def test_splits_fill_the_gpu_with_long_enough_chunks():
 
 
 def _step(q, k, v, mask=None, bias=None, window=(-1, -1)):
-    from dmattn_cute.attention import _decode_step
+    from dmattn_cute.decode import decode_step
     from dmattn_cute.problem import make_problem
 
     problem, _, _ = make_problem(q, k, v, mask, bias, None, True, 0.0, window, False)
-    return _decode_step(problem, q, k, v, mask, bias)
+    return decode_step(problem, q, k, v, mask, bias)
 
 
 def test_plain_decode_steps_run_packed_where_alike():
-    """flash_dmattn_func's decode route (attention._decode_step; eager CUDA calls take it):
+    """flash_dmattn_func's decode route (decode.decode_step; eager CUDA calls take it):
     one query per row with nothing to record, folded chunks or a packed group, no left
     window; its result is the reference's. Run here on CPU tensors (the reference forward per
     chunk)."""
