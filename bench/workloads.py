@@ -37,6 +37,8 @@ class Workload:
     mask: None, "dense" (all True), "blocks" (random BLOCK_Q x BLOCK_K blocks visible with
     probability `density`) or "topk" (the round(density * Sk) keys of largest bias per query).
     deterministic: the backward runs in deterministic mode (ours only).
+    heads_major_kv: k and v are [B, Sk, Hkv, D] views of [B, Hkv, Sk, D] storage, as
+    transformers' caches hold them (their decode steps call flash_dmattn_func on those).
     """
 
     suite: str
@@ -52,6 +54,7 @@ class Workload:
     heads: int = HEADS
     heads_kv: int = HEADS_KV
     deterministic: bool = False
+    heads_major_kv: bool = False
 
     @property
     def name(self) -> str:
@@ -69,6 +72,8 @@ class Workload:
             parts.append(f"H{self.heads}/{self.heads_kv}")
         if self.deterministic:
             parts.append("deterministic")
+        if self.heads_major_kv:
+            parts.append("kv heads-major")
         return " ".join(parts)
 
     def flops(self) -> float:
@@ -119,7 +124,12 @@ def decode_suite() -> list[Workload]:
     ] + [
         Workload("decode", 8, 1, sk, 128, bias="key", mask="blocks128", density=0.25)
         for sk in (32768, 131072)
-    ]
+    ] + [
+        # the plain call on transformers' cache layout (their generate's decode steps)
+        Workload("decode", 8, 1, sk, 128, bias="key", mask="blocks", density=0.25,
+                 heads_major_kv=True)
+        for sk in (4096, 32768)
+    ]  # fmt: skip
 
 
 def heads_suite() -> list[Workload]:
@@ -201,6 +211,8 @@ def make_inputs(w: Workload, device: str = "cuda", grad: bool = False) -> Inputs
     kw = {"device": device, "dtype": DTYPES[w.dtype]}
     q = torch.randn(w.batch, w.seqlen_q, w.heads, w.head_dim, **kw)
     k, v = (torch.randn(w.batch, w.seqlen_k, w.heads_kv, w.head_dim, **kw) for _ in range(2))
+    if w.heads_major_kv:
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     bias = None
     if w.bias == "key":
         bias = torch.randn(w.batch, w.heads_kv, 1, w.seqlen_k, **kw)

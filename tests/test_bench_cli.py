@@ -249,3 +249,12 @@ def test_varlen_bench_layouts_hold_the_same_sequences() -> None:
         bias_padded = torch.autograd.grad(padded, lay.padded[4], dout)[0]
         bias_packed = torch.autograd.grad(packed, lay.packed[3], dout[lay.valid])[0]
         torch.testing.assert_close(bias_packed, bias_padded[:, :, 0].transpose(0, 1)[:, lay.valid])
+
+
+def test_heads_major_kv_inputs_are_transformers_cache_views() -> None:
+    w = Workload("decode", 2, 1, 64, 32, heads_major_kv=True)
+    x = make_inputs(w, device="cpu")
+    assert "kv heads-major" in w.name
+    for t in (x.k, x.v):
+        assert t.shape == (2, 64, HEADS_KV, 32) and t.stride()[1:] == (32, 64 * 32, 1)
+    assert any(w.heads_major_kv for w in SUITES["decode"]())
