@@ -15,12 +15,11 @@ forward + backward.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 
-from bench.run import events_median, peak_mib
+from bench.run import events_median, peak_mib, peer_forward, write_result
 from dmattn_cute import create_block_mask, flash_dmattn_func
 from dmattn_cute.block_mask import BLOCK
 from dmattn_cute.topw import topw_expiry
@@ -122,24 +121,14 @@ def main() -> None:
         **attention_times("topw_", key_expiry=expiry),
     }
     if not args.no_flex:
-        try:
-            run = flex_runner(q.detach(), k.detach(), v.detach(), bias.detach(), block_mask)
-            with torch.no_grad():
-                ours = flash_dmattn_func(
-                    q, k, v, attn_bias=bias, is_causal=True, block_mask=block_mask
-                )
-                theirs = run()
-                result["flex_rel_err"] = (
-                    (theirs - ours).float().norm() / ours.float().norm()
-                ).item()
-                result["flex_fwd_ms"] = events_median(run)
-        except (RuntimeError, ImportError, ValueError) as err:  # reported: Flex may not fit
-            result["flex_fwd_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    print(json.dumps(result, indent=1))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "long_context.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        with torch.no_grad():
+            ours = flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, block_mask=block_mask)
+        peer_forward(
+            result, "flex",
+            lambda: flex_runner(q.detach(), k.detach(), v.detach(), bias.detach(), block_mask),
+            ours,
+        )  # fmt: skip
+    write_result(result, args.out, "long_context.json")
 
 
 if __name__ == "__main__":

@@ -40,9 +40,35 @@ FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 REL_TOL = {"bf16": 2e-2, "fp16": 1e-2}
 
 
-def _error(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def peer_forward(result: dict, prefix: str, make_call, ours: torch.Tensor) -> None:
+    """Into `result`: a peer's forward (make_call() builds its call) against our output
+    `ours`, as {prefix}_rel_err and {prefix}_fwd_ms (events_median); or {prefix}_fwd_error
+    where it does not build or run (a peer may not fit), which is reported, not fatal. For the
+    one-shape scripts (bench.long_context, bench.varlen)."""
+    try:
+        call = make_call()
+        with torch.no_grad():
+            theirs = call().float()
+        ours = ours.float()
+        result[f"{prefix}_rel_err"] = ((theirs - ours).norm() / ours.norm()).item()
+        result[f"{prefix}_fwd_ms"] = events_median(call)
+    except (RuntimeError, ImportError, ValueError) as err:
+        result[f"{prefix}_fwd_error"] = error_line(err)
+
+
+def write_result(result: dict, out: str | None, filename: str) -> None:
+    """Print a one-shape script's result as JSON, and write it to out/filename if out."""
+    print(json.dumps(result, indent=1))
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, filename), "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def timed_call(call, x: Inputs, mode: str):
@@ -229,7 +255,7 @@ def run_workload(w: Workload, mode: str, timer, impls: list[str]) -> list[dict]:
                     rec["note"] = note
                     break
                 except Exception as e:  # noqa: BLE001 -- a failing candidate is reported
-                    rec.setdefault("errors", []).append(f"{note or 'call'}: {_error(e)}")
+                    rec.setdefault("errors", []).append(f"{note or 'call'}: {error_line(e)}")
                     torch.cuda.empty_cache()
             else:
                 rec.setdefault("skipped", "no candidate ran")
@@ -238,7 +264,7 @@ def run_workload(w: Workload, mode: str, timer, impls: list[str]) -> list[dict]:
             rec["skipped"] = str(e)
             continue
         except Exception as e:  # noqa: BLE001 -- e.g. a peer's setup failing: reported
-            rec["skipped"] = _error(e)
+            rec["skipped"] = error_line(e)
             torch.cuda.empty_cache()
             continue
         out = first if out is None else out
@@ -279,7 +305,7 @@ def environment(timer_name: str, argv: list[str]) -> dict:
         try:
             return __import__(module).__version__
         except Exception as e:  # noqa: BLE001 -- a missing optional package is reported
-            return f"unavailable ({_error(e)})"
+            return f"unavailable ({error_line(e)})"
 
     return {
         "gpu": torch.cuda.get_device_name(),

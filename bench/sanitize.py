@@ -19,6 +19,30 @@ import torch
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.reference import attention_ref
 
+GRADIENTS = ("dq", "dk", "dv", "dbias")
+
+
+def check(label: str, inputs, dout, options: dict, ref_options: dict | None = None) -> None:
+    """Ours against the float32 reference, forward and backward on the same `inputs` (q, k, v
+    and, if given, the bias: the differentiated tensors), with flash_dmattn_func's keyword
+    `options` (the reference's `ref_options` where they differ): prints the largest error of
+    out and the relative error of each gradient, and asserts both below 2e-2."""
+    leaves = [t.detach().float().requires_grad_() for t in inputs]
+    ours = [t.detach().clone().requires_grad_() for t in inputs]
+    ref, _ = attention_ref(*leaves[:3], attn_bias=(leaves[3:] or [None])[0],
+                           **(options if ref_options is None else ref_options))  # fmt: skip
+    ref.backward(dout.float())
+    out = flash_dmattn_func(*ours[:3], attn_bias=(ours[3:] or [None])[0], **options)
+    out.backward(dout)
+    err = (out.float() - ref).abs().max().item()
+    grads = {
+        name: ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
+        for name, got, want in zip(GRADIENTS, ours, leaves, strict=False)
+    }
+    print(f"{label}: max abs err out {err:.3e}, rel err "
+          + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
+    assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
+
 
 def main() -> None:
     torch.manual_seed(0)
@@ -32,58 +56,18 @@ def main() -> None:
     mask[..., 600:700, :] = False  # whole query blocks skipped
     bias = torch.randn(b, h, 1, s, **kw)
     dout = torch.randn_like(q)
-    window = (700, 300)
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
-    ref, _ = attention_ref(*leaves[:3], mask, leaves[3], window_size=window)
-    ref.backward(dout.float())
+    window = {"attn_mask": mask, "window_size": (700, 300)}
     for deterministic in (False, True):
-        ours = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
-        out = flash_dmattn_func(
-            *ours[:3], mask, ours[3], window_size=window, deterministic=deterministic
-        )
-        out.backward(dout)
-        errs = {"out": (out.float() - ref).abs().max().item()}
-        for name, got, want in zip(("dq", "dk", "dv", "dbias"), ours, leaves, strict=True):
-            errs[name] = ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
-        print(f"deterministic={deterministic}: max abs err out {errs.pop('out'):.3e}, rel err "
-              + ", ".join(f"{n} {e:.3e}" for n, e in errs.items()))  # fmt: skip
-        assert all(e < 2e-2 for e in errs.values())
+        check(f"deterministic={deterministic}", (q, k, v, bias), dout,
+              {**window, "deterministic": deterministic}, window)  # fmt: skip
     # A full 16-bit bias with 16-byte aligned rows: the Hopper forward loads it by TMA; its
     # gradient is stored from dS (one contribution per element), after the softcap.
     full = torch.randn(b, h, s, s, **kw)
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v, full)]
-    ref_full, _ = attention_ref(*leaves[:3], mask, leaves[3], softcap=30.0)
-    ref_full.backward(dout.float())
-    ours = [t.detach().clone().requires_grad_() for t in (q, k, v, full)]
-    out = flash_dmattn_func(*ours[:3], mask, ours[3], softcap=30.0)
-    out.backward(dout)
-    err = (out.float() - ref_full).abs().max().item()
-    grads = {
-        name: ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
-        for name, got, want in zip(("dq", "dk", "dv", "dbias"), ours, leaves, strict=True)
-    }
-    print(f"full bias, softcap: max abs err out {err:.3e}, rel err "
-          + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
-    assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
+    check("full bias, softcap", (q, k, v, full), dout, {"attn_mask": mask, "softcap": 30.0})
     # At most 64 queries with a mask: the Hopper forward walks 64-key tiles.
     rows = slice(590, 597)  # straddles the fully masked query rows from 600 on
-    leaves = [q[:, rows].detach().float().requires_grad_()]
-    leaves += [t.detach().float().requires_grad_() for t in (k, v, bias)]
-    short_mask = mask[:, :, rows]
-    ref_short, _ = attention_ref(*leaves[:3], short_mask, leaves[3])
-    ref_short.backward(dout[:, rows].float())
-    ours = [q[:, rows].detach().clone().requires_grad_()]
-    ours += [t.detach().clone().requires_grad_() for t in (k, v, bias)]
-    out = flash_dmattn_func(*ours[:3], short_mask, ours[3])
-    out.backward(dout[:, rows])
-    err = (out.float() - ref_short).abs().max().item()
-    grads = {
-        name: ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
-        for name, got, want in zip(("dq", "dk", "dv", "dbias"), ours, leaves, strict=True)
-    }
-    print(f"7 queries, mask: max abs err out {err:.3e}, rel err "
-          + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
-    assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
+    check("7 queries, mask", (q[:, rows], k, v, bias), dout[:, rows],
+          {"attn_mask": mask[:, :, rows]})  # fmt: skip
     # No mask or bias: the Hopper backward's dense walk (every query block, no tile loads).
     ours = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     flash_dmattn_func(*ours, is_causal=True).backward(dout)
@@ -95,20 +79,9 @@ def main() -> None:
 
     bwd_launch.QUERY_SPLIT_ROWS = 128
     expiry = topw_expiry(bias[:, :, 0].float()[:, :1], 200)
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref_topw, _ = attention_ref(*leaves, expiry_mask(expiry, s), is_causal=True)
-    ref_topw.backward(dout.float())
-    ours = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = flash_dmattn_func(*ours, is_causal=True, key_expiry=expiry)
-    out.backward(dout)
-    err = (out.float() - ref_topw).abs().max().item()
-    grads = {
-        name: ((got.grad.float() - want.grad).norm() / want.grad.norm()).item()
-        for name, got, want in zip(("dq", "dk", "dv"), ours, leaves, strict=True)
-    }
-    print(f"top-w expiry, split walks: max abs err out {err:.3e}, rel err "
-          + ", ".join(f"{n} {e:.3e}" for n, e in grads.items()))  # fmt: skip
-    assert err < 2e-2 and all(e < 2e-2 for e in grads.values())
+    check("top-w expiry, split walks", (q, k, v), dout,
+          {"is_causal": True, "key_expiry": expiry},
+          {"is_causal": True, "attn_mask": expiry_mask(expiry, s)})  # fmt: skip
     # Decode: heads packed, keys split into chunks (one launch where they divide the cache,
     # else one per chunk), merged by the combine kernel.
     from dmattn_cute import flash_dmattn_with_kvcache

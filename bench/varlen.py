@@ -15,7 +15,6 @@ varlen / padded ratios, and the relative difference of the real rows' outputs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 
@@ -106,7 +105,7 @@ def flex_runner(layouts: Layouts, causal: bool):
 
 
 def main() -> None:
-    from bench.run import events_median
+    from bench.run import events_median, peer_forward, write_result
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-len", type=int, default=4096)
@@ -154,19 +153,8 @@ def main() -> None:
     for mode in ("fwd_ms", "fwdbwd_ms"):
         result[f"varlen_over_padded_{mode[:-3]}"] = result["varlen"][mode] / result["padded"][mode]
     if not args.no_flex:
-        try:
-            run = flex_runner(lay, causal)
-            with torch.no_grad():
-                theirs = run().float()
-            result["flex_rel_err"] = ((theirs - got).norm() / got.norm()).item()
-            result["flex_fwd_ms"] = events_median(run)
-        except (RuntimeError, ImportError, ValueError) as err:  # reported, not fatal
-            result["flex_fwd_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    print(json.dumps(result, indent=1))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "varlen.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        peer_forward(result, "flex", lambda: flex_runner(lay, causal), got)
+    write_result(result, args.out, "varlen.json")
 
 
 if __name__ == "__main__":

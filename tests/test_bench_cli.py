@@ -258,3 +258,15 @@ def test_heads_major_kv_inputs_are_transformers_cache_views() -> None:
     for t in (x.k, x.v):
         assert t.shape == (2, 64, HEADS_KV, 32) and t.stride()[1:] == (32, 64 * 32, 1)
     assert any(w.heads_major_kv for w in SUITES["decode"]())
+
+
+def test_peer_forward_reports_a_peer_that_does_not_run(tmp_path, capsys) -> None:
+    def fails():
+        raise RuntimeError("out of memory\nmore")
+
+    result = {"gpu": "none"}
+    run.peer_forward(result, "flex", fails, torch.zeros(2))
+    assert result == {"gpu": "none", "flex_fwd_error": "RuntimeError: out of memory"}
+    run.write_result(result, str(tmp_path / "out"), "x.json")
+    assert json.loads((tmp_path / "out" / "x.json").read_text()) == result
+    assert json.loads(capsys.readouterr().out) == result

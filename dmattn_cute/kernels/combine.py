@@ -9,7 +9,6 @@ out 0 and lse -inf, as the forward gives such a row.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -19,12 +18,12 @@ from cutlass.base_dsl import JitCompiledFunction
 
 from ..jit.arch import compile_options
 from .config import padded_head_dim
+from .softmax import LN2
 from .spec import DTYPES, LOG2E, env_stream, fake_tensor
 
 NUM_THREADS = 128
 ROWS_PER_CTA = NUM_THREADS // 32  # one warp per row
 _DTYPES = ("bf16", "fp16")
-LN2 = math.log(2.0)
 
 
 @dataclass(frozen=True)

@@ -97,20 +97,20 @@ class Scores:
                 bias.store(t_bias.load().to(cutlass.Float32))
                 capped = capped + bias.load()
             acc_s.store(capped)
-        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.log2_units):
-            # a query-broadcast bias after Q K^T (the Hopper forward), in log2 units
+        if cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_after_gemm):
+            # a query-broadcast bias after Q K^T (the Hopper kernels), per column: bias / scale
+            # added, or in log2 units (the Hopper forward) one FMA with S * scale_log2
+            factor = (
+                cutlass.Float32(LOG2E) if cutlass.const_expr(self.log2_units) else self.bias_scale
+            )
             acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
             for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
-                column = mul_rz(cutlass.Float32(bias_mn[0, c]), cutlass.Float32(LOG2E))
+                column = mul_rz(cutlass.Float32(bias_mn[0, c]), factor)
                 for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                    acc_mn[r, c] = fma(acc_mn[r, c], self.scale_log2, column)
-        elif cutlass.const_expr(self.has_bias and not self.has_softcap and self.bias_after_gemm):
-            # a query-broadcast bias after Q K^T (the Hopper kernels): bias / scale per column
-            acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
-            for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
-                column = mul_rz(cutlass.Float32(bias_mn[0, c]), self.bias_scale)
-                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                    acc_mn[r, c] = acc_mn[r, c] + column
+                    if cutlass.const_expr(self.log2_units):
+                        acc_mn[r, c] = fma(acc_mn[r, c], self.scale_log2, column)
+                    else:
+                        acc_mn[r, c] = acc_mn[r, c] + column
         if cutlass.const_expr(self.has_mask and self.mask_expiry):
             # the views are taken outside the run-time branch: a name first bound inside it
             # would have no value on the other path
