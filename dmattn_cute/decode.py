@@ -60,11 +60,16 @@ def packed_decode(
     batch, _, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads // heads_kv
-    packed = q[:, 0].view(batch, heads_kv, group, head_dim).transpose(1, 2)
     if splits > 1 and seqlen_k % splits == 0 and k.is_contiguous() and v.is_contiguous():
-        # one launch: chunk s of row b is batch entry b * splits + s (k, v: views)
-        outs, lses = _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits)
+        # one launch: chunk s of row b is batch entry b * splits + s
+        out, lse = flash_dmattn_func(
+            *chunk_operands(q, k, v, mask, bias, splits), softmax_scale=softmax_scale,
+            softcap=softcap, return_lse=True,
+        )  # fmt: skip
+        outs = out.view(batch, splits, group, heads_kv, head_dim)
+        lses = lse.view(batch, splits, heads_kv, group)
     else:
+        packed = _packed_queries(q, heads_kv)
         chunk = -(-seqlen_k // splits)
         outs, lses = [], []
         for start in range(0, seqlen_k, chunk):
@@ -90,13 +95,22 @@ def packed_decode(
     return out, lse.reshape(batch, heads, 1)
 
 
-def _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits):
-    """The chunks' outputs [B, splits, group, Hkv, D] and lses [B, splits, Hkv, group] from
-    one forward over B * splits batch entries: contiguous k, v viewed as
-    [B * splits, Sk / splits, Hkv, D]; the packed queries (tiny) and the mask/bias rows
-    (the size of one key row per batch and head) copied into that batch order."""
-    batch, group, heads_kv, head_dim = packed.shape
-    chunk = k.shape[1] // splits
+def _packed_queries(q: Tensor, heads_kv: int) -> Tensor:
+    """q [B, 1, H, D] viewed as [B, group, Hkv, D]: a group's heads as its query rows."""
+    batch, _, heads, head_dim = q.shape
+    return q[:, 0].view(batch, heads_kv, heads // heads_kv, head_dim).transpose(1, 2)
+
+
+def chunk_operands(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None, splits: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """q, k, v, mask, bias of the one forward over B * splits batch entries that runs every
+    chunk (contiguous k, v; splits divides Sk): k, v viewed as [B * splits, Sk / splits, Hkv,
+    D]; the packed queries (tiny) and the mask/bias rows (the size of one key row per batch
+    and head) copied into that batch order. Also what precompile plans decode variants on."""
+    batch, seqlen_k, heads_kv, head_dim = k.shape
+    packed = _packed_queries(q, heads_kv)
+    group, chunk = packed.shape[1], seqlen_k // splits
     keys = k.view(batch * splits, chunk, heads_kv, head_dim)
     values = v.view(batch * splits, chunk, heads_kv, head_dim)
     queries = packed.unsqueeze(1).expand(batch, splits, group, heads_kv, head_dim)
@@ -112,14 +126,7 @@ def _chunks_as_batch(packed, k, v, mask, bias, softmax_scale, softcap, splits):
         t = t.expand(batch, *t.shape[1:])
         return t.unflatten(-1, (splits, chunk)).movedim(3, 1).flatten(0, 1)
 
-    out, lse = flash_dmattn_func(
-        queries, keys, values, rows(mask), rows(bias), softmax_scale=softmax_scale,
-        softcap=softcap, return_lse=True,
-    )  # fmt: skip
-    return (
-        out.view(batch, splits, group, heads_kv, head_dim),
-        lse.view(batch, splits, heads_kv, group),
-    )
+    return queries, keys, values, rows(mask), rows(bias)
 
 
-__all__ = ["decode_splits", "packable", "packed_decode"]
+__all__ = ["chunk_operands", "decode_splits", "packable", "packed_decode"]
