@@ -19,7 +19,7 @@ for patch in "$root"/.patches/*.patch; do
   name="$(basename "$patch" .patch)"
   dir="$root/.branches/$name"
   rm -rf "$dir" && mkdir -p "$dir"
-  cp -r dmattn_cute bench tests pyproject.toml README.md "$dir"/
+  cp -r dmattn_cute bench tests examples pyproject.toml README.md "$dir"/
   if ! patch -s -p1 -d "$dir" < "$patch"; then
     echo "== $name: the patch does not apply"; status=1; continue
   fi

@@ -185,7 +185,8 @@ def chunk_operands(
     """q, k, v, mask, bias of the one forward that runs every chunk, folded as chunk_fold
     says: k, v as views ([B * splits, chunk, Hkv, D] or [B, chunk, Hkv * splits, D]); the
     packed queries (tiny) and the mask/bias rows (the size of one key row per batch and head)
-    in that order, copied where a view cannot say it."""
+    in that order, copied where a view cannot say it. Also what precompile plans decode
+    variants on."""
     batch, seqlen_k, heads_kv, head_dim = k.shape
     packed = _packed_queries(q, heads_kv)
     group, chunk = packed.shape[1], seqlen_k // splits

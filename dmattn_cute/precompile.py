@@ -1,12 +1,13 @@
 """Offline compile of the kernels into the disk cache; no GPU needed.
 
     python -m dmattn_cute.precompile --arch sm_89 [--head-dims 64 128] [--dtypes bf16 fp16]
-        [--cache-dir DIR] [--softcap] [--deterministic] [--jobs N] [--list]
+        [--cache-dir DIR] [--softcap] [--deterministic] [--decode] [--jobs N] [--list]
 
-The variants are those that the common call patterns below run, found by planning each call on
-meta tensors through the same code the launches use, so a GPU of that architecture later
-loads every one of them from the cache with zero compiles. Other calls (odd key lengths,
-other broadcast shapes, ...) compile on first use and are cached then.
+The variants are those that the common call patterns below run (with --decode, also the
+decode steps of flash_dmattn_with_kvcache), found by planning each call on meta tensors
+through the same code the launches use, so a GPU of that architecture later loads every one
+of them from the cache with zero compiles. Other calls (odd key lengths, other broadcast
+shapes, ...) compile on first use and are cached then.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from pathlib import Path
 
 import torch
 
+from dmattn_cute.decode import chunk_operands, decode_splits
 from dmattn_cute.jit import cache
 from dmattn_cute.jit.arch import SUPPORTED_ARCHS, hopper_kernels
 from dmattn_cute.kernels.bwd_launch import (
     backward_bits_spec_of,
     backward_spec_of,
     preprocess_spec,
+    sm_count,
 )
+from dmattn_cute.kernels.combine_launch import combine_spec
 from dmattn_cute.kernels.fwd_launch import bits_spec_of, forward_spec_of
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, broadcast_view, make_problem
@@ -119,6 +123,73 @@ class CallPattern:
         return f"{self.dtype} d{self.head_dim} {self.operands} {' '.join(flags)}"
 
 
+# Decode steps through flash_dmattn_with_kvcache (one query per row, its one-launch chunked
+# path): mask rows [B, Hm, 1, Sk] with Hm 1 (the per-row cache lengths alone) or Hkv (a mask
+# of the caller's, or both), and the per-key bias [B, Hkv, 1, Sk].
+DECODE_OPERANDS = {
+    "dense": (None, False),
+    "lengths": (1, False),
+    "mask": ("kv", False),
+    "key-bias": (None, True),
+    "lengths+key-bias": (1, True),
+    "mask+key-bias": ("kv", True),
+}
+# A cache length whose chunks (a power-of-two count) keep 16-byte aligned mask/bias rows.
+DECODE_CACHE = 8192
+
+
+@dataclass(frozen=True)
+class DecodePattern:
+    """One kind of decode step (flash_dmattn_with_kvcache with Sq = 1, the whole cache in one
+    launch of chunks; dmattn_cute/decode.py): its forward, block bits and combine kernels."""
+
+    dtype: str
+    head_dim: int
+    operands: str
+    heads: tuple[int, int]
+    softcap: float = 0.0
+
+    def kernels(self, arch: str, device: str = "meta") -> list[tuple[str, object]]:
+        """(kind, spec) of every kernel the step runs on `arch`, planned on tensors of
+        `device` laid out by decode.chunk_operands, as the step lays them out."""
+        dtype, (heads, heads_kv) = DTYPES[self.dtype], self.heads
+        mask_heads, has_bias = DECODE_OPERANDS[self.operands]
+        make = torch.empty if torch.device(device).type == "meta" else torch.randn
+        q = make(BATCH, 1, heads, self.head_dim, device=device, dtype=dtype)
+        k, v = (make(BATCH, DECODE_CACHE, heads_kv, self.head_dim, device=device, dtype=dtype)
+                for _ in range(2))  # fmt: skip
+        mask = None
+        if mask_heads is not None:
+            rows = (BATCH, heads_kv if mask_heads == "kv" else 1, 1, DECODE_CACHE)
+            mask = torch.ones(rows, dtype=torch.bool, device=device)
+        bias = (
+            make(BATCH, heads_kv, 1, DECODE_CACHE, device=device, dtype=dtype) if has_bias else None
+        )
+        splits = decode_splits(BATCH, heads_kv, DECODE_CACHE, sm_count(q.device, arch))
+        operands = chunk_operands(q, k, v, mask, bias, splits, "batch")  # a contiguous cache
+        kernels = planned_kernels(arch, *operands, softcap=self.softcap, backward=False)
+        return kernels + [("combine", combine_spec(dtype, self.head_dim))]
+
+    def __str__(self) -> str:
+        flags = [f"H{self.heads[0]}/{self.heads[1]}"] + (["softcap"] if self.softcap else [])
+        return f"decode {self.dtype} d{self.head_dim} {self.operands} {' '.join(flags)}"
+
+
+def decode_patterns(
+    dtypes=tuple(DTYPES), head_dims=DEFAULT_HEAD_DIMS, softcap=False
+) -> list[DecodePattern]:
+    """The decode steps precompiled with --decode."""
+    softcaps = (0.0, 30.0) if softcap else (0.0,)
+    return [
+        DecodePattern(dtype, head_dim, operands, heads, cap)
+        for dtype in dtypes
+        for head_dim in head_dims
+        for operands in DECODE_OPERANDS
+        for heads in HEADS
+        for cap in softcaps
+    ]
+
+
 def call_patterns(
     dtypes=tuple(DTYPES), head_dims=DEFAULT_HEAD_DIMS, softcap=False, deterministic=False
 ) -> list[CallPattern]:
@@ -137,9 +208,13 @@ def call_patterns(
     ]
 
 
-def kernel_specs(pattern: CallPattern, arch: str, device: str = "meta") -> list[tuple[str, object]]:
+def kernel_specs(
+    pattern: CallPattern | DecodePattern, arch: str, device: str = "meta"
+) -> list[tuple[str, object]]:
     """(kind, spec) of every kernel a call of `pattern` runs, forward and backward, planned on
     tensors of `device`."""
+    if isinstance(pattern, DecodePattern):
+        return pattern.kernels(arch, device)
     q, k, v, mask, bias = pattern.inputs(device)
     kernels = planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
     for kind, spec in list(kernels):
@@ -179,7 +254,7 @@ def planned_kernels(
     return kernels
 
 
-def variants(arch: str, patterns: list[CallPattern]) -> list[tuple[str, object]]:
+def variants(arch: str, patterns: list[CallPattern | DecodePattern]) -> list[tuple[str, object]]:
     """(label, spec) of each distinct kernel the patterns run on `arch`, in first-use order."""
     seen: dict[object, str] = {}
     for pattern in patterns:
@@ -230,7 +305,7 @@ class Progress:
 
 
 def precompile(
-    arch: str, patterns: list[CallPattern], jobs: int = 1, progress: bool = True
+    arch: str, patterns: list[CallPattern | DecodePattern], jobs: int = 1, progress: bool = True
 ) -> dict[str, int]:
     """Fills the disk cache with every variant of `patterns` on `arch`.
 
@@ -295,6 +370,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="compile in N processes (default: the CPU count, here %(default)s)",
     )
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="also the decode steps of flash_dmattn_with_kvcache (one query per row)",
+    )
     parser.add_argument("--list", action="store_true", help="list the variants, compile none")
     args = parser.parse_args(argv)
     if args.jobs < 1:
@@ -308,9 +388,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def patterns_of(args: argparse.Namespace) -> list[CallPattern]:
+def patterns_of(args: argparse.Namespace) -> list[CallPattern | DecodePattern]:
     """The call patterns the parsed arguments select."""
-    return call_patterns(args.dtypes, args.head_dims, args.softcap, args.deterministic)
+    patterns: list[CallPattern | DecodePattern] = call_patterns(
+        args.dtypes, args.head_dims, args.softcap, args.deterministic
+    )
+    if args.decode:
+        patterns += decode_patterns(args.dtypes, args.head_dims, args.softcap)
+    return patterns
 
 
 def main(argv: list[str] | None = None) -> int:

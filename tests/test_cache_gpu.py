@@ -63,3 +63,46 @@ def test_precompiled_kernels_load_with_zero_compiles(
     assert loaded == len(ran)
     assert ran <= {spec for _, spec in precompile.variants(arch, patterns)}
     cache.clear_memory()
+
+
+def test_precompiled_decode_steps_load_with_zero_compiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """precompile --decode, then a decode step of each pattern through the kv-cache API:
+    the forward, block bits and combine kernels all come from the cache."""
+    from dmattn_cute import flash_dmattn_with_kvcache
+
+    arch = target_arch()
+    args = ["--arch", arch, "--head-dims", "128", "--dtypes", "bf16", "--decode",
+            "--cache-dir", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("DMATTN_CUTE_ARCH", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "dmattn_cute.precompile", *args],
+        env=env, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    cache.clear_memory()
+    compiles = cache.compile_count()
+    batch, sk = precompile.BATCH, precompile.DECODE_CACHE
+    for pattern in precompile.decode_patterns(["bf16"], [128]):
+        heads, heads_kv = pattern.heads
+        mask_heads, has_bias = precompile.DECODE_OPERANDS[pattern.operands]
+        kw = {"device": "cuda", "dtype": torch.bfloat16}
+        q = torch.randn(batch, 1, heads, 128, **kw)
+        k_cache, v_cache = (torch.randn(batch, sk, heads_kv, 128, **kw) for _ in range(2))
+        bias = torch.randn(batch, heads_kv, 1, sk, **kw) if has_bias else None
+        mask = lengths = None
+        if mask_heads == 1:  # the cache lengths become the mask rows [B, 1, 1, Sk]
+            lengths = torch.tensor([sk - 1000, sk - 7], device="cuda", dtype=torch.int32)
+        elif mask_heads == "kv":
+            mask = torch.rand(batch, heads_kv, 1, sk, device="cuda") < 0.5
+        out = flash_dmattn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, attn_mask=mask, attn_bias=bias,
+            softcap=pattern.softcap,
+        )  # fmt: skip
+        assert out.isfinite().all(), str(pattern)
+    assert cache.compile_count() == compiles
+    cache.clear_memory()

@@ -84,6 +84,42 @@ def test_variants_are_what_real_calls_plan(arch: str) -> None:
         assert meta == real, str(pattern)
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90a"])
+def test_decode_variants_are_what_real_tensors_plan(arch: str) -> None:
+    """The decode steps' variants: planned alike on meta and real tensors, each with the
+    combine kernel; on sm_90a the masked ones take 64-key tiles."""
+    for pattern in precompile.decode_patterns(["bf16"], [64], softcap=True):
+        meta = precompile.kernel_specs(pattern, arch)
+        assert meta == precompile.kernel_specs(pattern, arch, device="cpu"), str(pattern)
+        assert [kind for kind, _ in meta][-1] == "combine"
+        if arch == "sm_90a" and precompile.DECODE_OPERANDS[pattern.operands][0] is not None:
+            assert meta[0][1].tile.tile_n == 64
+
+
+def test_decode_variants_are_what_the_launch_plans(launches) -> None:
+    """The decode step's forward and block bits, as fwd_launch plans them on the operands the
+    step passes (decode.chunk_operands, real CPU tensors), are the listed variants."""
+    from dmattn_cute.decode import chunk_operands
+    from dmattn_cute.kernels import fwd_launch
+    from dmattn_cute.problem import make_problem
+
+    for pattern in precompile.decode_patterns(["bf16"], [128]):
+        heads, heads_kv = pattern.heads
+        mask_heads, has_bias = precompile.DECODE_OPERANDS[pattern.operands]
+        batch, sk = precompile.BATCH, precompile.DECODE_CACHE
+        q = torch.randn(batch, 1, heads, 128, dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, sk, heads_kv, 128, dtype=torch.bfloat16) for _ in range(2))
+        rows = None if mask_heads is None else (heads_kv if mask_heads == "kv" else 1)
+        mask = None if rows is None else torch.rand(batch, rows, 1, sk) < 0.5
+        bias = torch.randn(batch, heads_kv, 1, sk, dtype=torch.bfloat16) if has_bias else None
+        operands = chunk_operands(q, k, v, mask, bias, 16, "batch")
+        problem, mask4, bias4 = make_problem(*operands, None, False, 0.0, (-1, -1), False)
+        launches["calls"].clear()
+        fwd_launch.flash_fwd(problem, *operands[:3], mask4, bias4)
+        listed = {spec for _, spec in pattern.kernels("sm_90a")}
+        assert {spec for spec, _ in launches["calls"]} <= listed, str(pattern)
+
+
 def test_default_variants_cover_every_pattern_and_kernel() -> None:
     patterns = precompile.call_patterns()
     labels = [label for label, _ in precompile.variants("sm_89", patterns)]
