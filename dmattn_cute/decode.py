@@ -21,6 +21,13 @@ from dmattn_cute.kernels.fwd_launch import flash_fwd
 from dmattn_cute.ops import attention_fwd, eager_cuda
 from dmattn_cute.problem import Problem, broadcast_view, make_problem
 
+# An eager decode step with fewer keys runs as one plain forward launch: the packed, split
+# path's extra host work (chunk operands, a second launch for the merge; about 55 us a call)
+# outweighs what it saves on the GPU. H100, B8 H16 Hkv4 D128, 64-key blocks at density 0.25:
+# the one launch takes 0.18 ms at Sk 32k (packed: 0.24 ms, host-bound) and 0.67 ms at 128k
+# (packed: 0.26 ms). A step captured into a CUDA graph pays no host time: always packed.
+PLAIN_DECODE_MIN_KEYS = 1 << 16
+
 
 def decode_splits(batch: int, heads_kv: int, seqlen_k: int, sms: int) -> int:
     """Key chunks per (row, kv head): up to enough for two CTAs per SM, each chunk at least
@@ -54,9 +61,13 @@ def decode_step(
     """out, lse of flash_dmattn_func's decode step (one query per row, nothing for autograd to
     record) run as the kv-cache API runs it, the group's heads packed as rows and the keys
     split in chunks, where that computes the same thing and the chunks run as one forward;
-    else None (the call runs as any other). Causal limits nothing for the last query; a left
-    window would, and is left to the kernels."""
+    else None (the call runs as any other; so do eager calls with fewer keys than
+    PLAIN_DECODE_MIN_KEYS). Causal limits nothing for the last query; a left window would, and
+    is left to the kernels."""
     if problem.seqlen_q != 1 or 0 <= problem.window_left < problem.seqlen_k - 1:
+        return None
+    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+    if problem.seqlen_k < PLAIN_DECODE_MIN_KEYS and not capturing:
         return None
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_bias)

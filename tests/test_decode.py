@@ -66,15 +66,19 @@ def _step(q, k, v, mask=None, bias=None, window=(-1, -1)):
     return decode_step(problem, q, k, v, mask, bias)
 
 
-def test_plain_decode_steps_run_packed_where_alike():
+def test_plain_decode_steps_run_packed_where_alike(monkeypatch):
     """flash_dmattn_func's decode route (decode.decode_step; eager CUDA calls take it):
     one query per row with nothing to record, folded chunks or a packed group, no left
-    window; its result is the reference's. Run here on CPU tensors (the reference forward per
-    chunk)."""
+    window, enough keys; its result is the reference's. Run here on CPU tensors (the
+    reference forward per chunk)."""
+    from dmattn_cute import decode
+
     b, sk, h, hkv, d = 2, 2048, 8, 2, 64
     q, k, v, mask, bias = random_inputs(
         b, 1, sk, h, hkv, d, torch.bfloat16, "cpu", mask_shape=(b, 1, 1, sk), bias_shape=(b, hkv, sk)
     )  # fmt: skip
+    assert _step(q, k, v, mask, bias) is None  # fewer keys than PLAIN_DECODE_MIN_KEYS
+    monkeypatch.setattr(decode, "PLAIN_DECODE_MIN_KEYS", sk)
     heads_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v)]
     for keys, values in ((k, v), heads_major):
         out, lse = _step(q, keys, values, mask, bias)
@@ -101,7 +105,9 @@ def test_plain_decode_steps_run_packed_where_alike():
 @pytest.mark.parametrize("layout", ["contiguous", "heads-major"])
 def test_plain_decode_call_on_cuda(monkeypatch, layout, heads):
     """flash_dmattn_func with one query per row under no_grad, as transformers' decode steps
-    call it: packed and split (the combine kernel runs), the reference's result."""
+    call it: eager with fewer keys than PLAIN_DECODE_MIN_KEYS, one plain launch; with enough
+    keys, and captured into a CUDA graph, packed and split (the combine kernel runs). Every
+    way gives the reference's result."""
     from dmattn_cute import decode, flash_dmattn_func
 
     merged = []
@@ -113,10 +119,30 @@ def test_plain_decode_call_on_cuda(monkeypatch, layout, heads):
     )  # fmt: skip
     if layout == "heads-major":
         k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
-    with torch.no_grad():
-        out, lse = flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
-    assert merged == [1]
     ref, ref_lse = attention_ref(q, k, v, mask, bias, compute_dtype=torch.float32)
     lowp, _ = attention_ref(q, k, v, mask, bias)
-    check_close("out", out, ref, lowp, q.dtype)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+    def step():
+        with torch.no_grad():
+            return flash_dmattn_func(q, k, v, mask, bias, is_causal=True, return_lse=True)
+
+    def check(out, lse):
+        check_close("out", out, ref, lowp, q.dtype)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+    check(*step())
+    assert merged == []  # fewer keys than PLAIN_DECODE_MIN_KEYS: one launch
+    with monkeypatch.context() as patch:
+        patch.setattr(decode, "PLAIN_DECODE_MIN_KEYS", sk)
+        check(*step())  # (also compiles the packed path's kernels before the capture)
+    assert merged == [1]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out, lse = step()
+    assert merged == [1, 1]  # captured: packed
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, lse)
