@@ -14,11 +14,17 @@ its own bottom-right corner). A mask or a bias is given either
 - per sequence: a list of N tensors, tensor i broadcastable as flash_dmattn_func's operands
   over that sequence: [Hm, Qm, Km] (Qm in 1, Sq_i; Km in 1, Sk_i) or [Hm, Km].
 
-Differentiable in q, k, v and the bias (dbias in the bias's shape and dtype). Today it runs
-flash_dmattn_func once per run of consecutive sequences of equal lengths (one batched call on
-views of the packed tensors: nothing is padded or copied), so sequences of many different
-lengths cost one launch each; a kernel that walks cu_seqlens itself is the next step (issue
-16).
+Differentiable in q, k, v and the bias (dbias in the bias's shape and dtype). Nothing is
+padded or copied; the packed tensors are read through views, in one of two ways:
+
+- causal self-attention (cu_seqlens_q equal to cu_seqlens_k), operands per key token or none,
+  eager on the Hopper kernels: one flash_dmattn_func call over all tokens as one sequence, each
+  key expiring at the end of its own sequence (its key_expiry; a per-key-token mask folds in
+  as expiry 0). With the causal limit that keeps exactly the keys of the query's own sequence
+  at or before it, and the kernels skip the tiles between sequences by their block bits;
+- otherwise one flash_dmattn_func call per run of consecutive sequences of equal lengths (one
+  batched call), so sequences of many different lengths cost one launch each. A kernel that
+  walks cu_seqlens itself is the next step (issue 16).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import torch
 from torch import Tensor
 
 from dmattn_cute.attention import flash_dmattn_func
+from dmattn_cute.jit.arch import hopper_kernels, target_arch
+from dmattn_cute.ops import eager_cuda
 from dmattn_cute.problem import check_bool, check_problem
 
 Operand = Tensor | Sequence[Tensor] | None
@@ -92,8 +100,18 @@ def flash_dmattn_varlen_func(
             except (TypeError, ValueError) as err:
                 raise type(err)(f"sequence {i}: {err}") from err
 
+    runs = _runs(seqlens_q, seqlens_k, attn_mask, attn_bias)
+    if len(runs) > 1 and _as_documents(q, is_causal, seqlens_q, seqlens_k, attn_mask, attn_bias):
+        out, lse = flash_dmattn_func(
+            q[None], k[None], v[None], None,
+            None if attn_bias is None else attn_bias[None, :, None],
+            softmax_scale=softmax_scale, is_causal=True, softcap=softcap,
+            window_size=window_size, deterministic=deterministic, return_lse=True,
+            key_expiry=_document_expiry(cu_seqlens_k, attn_mask, k.shape[0], q.device),
+        )  # fmt: skip
+        return (out[0], lse[0]) if return_lse else out[0]
     outs, lses = [], []
-    for first, last in _runs(seqlens_q, seqlens_k, attn_mask, attn_bias):
+    for first, last in runs:
         rows_q = slice(sum(seqlens_q[:first]), sum(seqlens_q[: last + 1]))
         count, len_q, len_k = last + 1 - first, seqlens_q[first], seqlens_k[first]
         if len_q == 0:
@@ -118,6 +136,40 @@ def flash_dmattn_varlen_func(
         return out
     lse = torch.cat(lses, dim=1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
     return out, lse
+
+
+def _as_documents(
+    q: Tensor,
+    is_causal: bool,
+    seqlens_q: list[int],
+    seqlens_k: list[int],
+    attn_mask: Operand,
+    attn_bias: Operand,
+) -> bool:
+    """Whether the sequences run as one call over all tokens (module docstring): causal, equal
+    query and key lengths, operands per key token or none, and the Hopper kernels reading the
+    expiry themselves (elsewhere it would become an element mask of total_q x total_k)."""
+    return (
+        is_causal
+        and seqlens_q == seqlens_k
+        and all(t is None or isinstance(t, Tensor) for t in (attn_mask, attn_bias))
+        and eager_cuda(q)
+        and hopper_kernels(target_arch(q.device))
+    )
+
+
+def _document_expiry(
+    cu_seqlens_k: Tensor, attn_mask: Tensor | None, total: int, device: torch.device
+) -> Tensor:
+    """key_expiry [1, Hm, total] int32 of packed causal sequences: each key's sequence end
+    (query rows from there on belong to later sequences), 0 where a per-key-token mask
+    [Hm, total] hides the key."""
+    cu = cu_seqlens_k.to(device=device, dtype=torch.int32)
+    lengths = torch.diff(cu).to(torch.int64)
+    expiry = torch.repeat_interleave(cu[1:], lengths, output_size=total)
+    if attn_mask is not None:
+        expiry = torch.where(attn_mask, expiry, 0).to(torch.int32)
+    return expiry.view(1, -1, total)
 
 
 def _runs(
