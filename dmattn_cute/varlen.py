@@ -37,10 +37,15 @@ from torch import Tensor
 
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.jit.arch import hopper_kernels, target_arch
+from dmattn_cute.memo import remember_for
 from dmattn_cute.ops import eager_cuda
 from dmattn_cute.problem import check_bool, check_problem
 
 Operand = Tensor | Sequence[Tensor] | None
+
+# Host copies of recent cu_seqlens, and the expiry rows of recent packings (memo.remember_for)
+_BOUNDS: dict[tuple, tuple] = {}
+_EXPIRY: dict[tuple, tuple] = {}
 
 
 def flash_dmattn_varlen_func(
@@ -90,8 +95,11 @@ def flash_dmattn_varlen_func(
         zip(q.split(seqlens_q), k.split(seqlens_k), v.split(seqlens_k), masks, biases, strict=True)
     )
     options = (softmax_scale, is_causal, softcap, window_size, deterministic)
+    per_token = not any(isinstance(t, (list, tuple)) for t in (attn_mask, attn_bias))
     for i, (q_i, k_i, v_i, mask_i, bias_i) in enumerate(pieces):
-        # every sequence is checked before any runs (a message names its index)
+        # every sequence is checked before any runs (a message names its index); with operands
+        # per key token or none the sequences differ only in their lengths, on which no check
+        # depends: the first with queries and keys stands for all
         if q_i.shape[0] and k_i.shape[0]:
             try:
                 check_problem(
@@ -99,6 +107,8 @@ def flash_dmattn_varlen_func(
                 )
             except (TypeError, ValueError) as err:
                 raise type(err)(f"sequence {i}: {err}") from err
+            if per_token:
+                break
 
     runs = _runs(seqlens_q, seqlens_k, attn_mask, attn_bias)
     if len(runs) > 1 and _as_documents(q, is_causal, seqlens_q, seqlens_k, attn_mask, attn_bias):
@@ -107,7 +117,7 @@ def flash_dmattn_varlen_func(
             None if attn_bias is None else attn_bias[None, :, None],
             softmax_scale=softmax_scale, is_causal=True, softcap=softcap,
             window_size=window_size, deterministic=deterministic, return_lse=True,
-            key_expiry=_document_expiry(cu_seqlens_k, attn_mask, k.shape[0], q.device),
+            key_expiry=_document_expiry(cu_seqlens_k, seqlens_k, attn_mask, q.device),
         )  # fmt: skip
         return (out[0], lse[0]) if return_lse else out[0]
     outs, lses = [], []
@@ -159,11 +169,23 @@ def _as_documents(
 
 
 def _document_expiry(
-    cu_seqlens_k: Tensor, attn_mask: Tensor | None, total: int, device: torch.device
+    cu_seqlens_k: Tensor, seqlens: list[int], attn_mask: Tensor | None, device: torch.device
 ) -> Tensor:
     """key_expiry [1, Hm, total] int32 of packed causal sequences: each key's sequence end
     (query rows from there on belong to later sequences), 0 where a per-key-token mask
-    [Hm, total] hides the key."""
+    [Hm, total] hides the key. Remembered for the mask (or cu_seqlens_k) and the lengths,
+    and with it the expiry's block bits (kernels/expiry_launch.py): every layer of a step
+    reuses them."""
+    anchor = cu_seqlens_k if attn_mask is None else attn_mask
+    key = (tuple(seqlens), device)
+    return remember_for(
+        _EXPIRY, anchor, key, lambda: _expiry_rows(cu_seqlens_k, attn_mask, sum(seqlens), device)
+    )
+
+
+def _expiry_rows(
+    cu_seqlens_k: Tensor, attn_mask: Tensor | None, total: int, device: torch.device
+) -> Tensor:
     cu = cu_seqlens_k.to(device=device, dtype=torch.int32)
     lengths = torch.diff(cu).to(torch.int64)
     expiry = torch.repeat_interleave(cu[1:], lengths, output_size=total)
@@ -212,7 +234,9 @@ def _seqlens(name: str, cu: object, total: int, max_len: object, max_name: str) 
         raise TypeError(f"{name}: expected a 1-D integer tensor [N + 1]")
     if cu.numel() < 2:
         raise ValueError(f"{name}: expected at least 2 entries (one sequence), got {cu.numel()}")
-    bounds = cu.tolist()
+    # read once per tensor (a device -> host copy waits for the GPU): every layer of a step
+    # passes the same cu_seqlens
+    bounds = remember_for(_BOUNDS, cu, None, cu.tolist)
     lengths = [hi - lo for lo, hi in itertools.pairwise(bounds)]
     if bounds[0] != 0 or bounds[-1] != total or min(lengths) < 0:
         raise ValueError(

@@ -210,3 +210,19 @@ def test_causal_documents_are_one_call_on_hopper(monkeypatch):
     q, k, v, cu_q, cu_k, _ = packed("cuda", lens, lens_k)
     flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, is_causal=True)
     assert calls == runs
+
+
+def test_cu_seqlens_read_once_and_again_after_a_change():
+    """The host copy of a cu_seqlens tensor is remembered for the tensor (every layer of a step
+    passes the same one), and an in-place change is seen."""
+    from dmattn_cute import varlen
+
+    lens = [5, 9, 3]
+    q, k, v, cu_q, cu_k, _ = packed("cpu", lens, lens)
+    varlen._BOUNDS.clear()
+    flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)
+    flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)
+    assert len(varlen._BOUNDS) == 2  # one entry per tensor, not per call
+    cu_k[1] = 15  # in place: 0, 15, 14, 17
+    with pytest.raises(ValueError, match="cu_seqlens_k: .* with a decrease"):
+        flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, 9, 9)
