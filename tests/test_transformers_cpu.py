@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -399,12 +400,15 @@ def test_example_runs() -> None:
     """The example generates with each of its three models (its bf16 tokens are not compared:
     near-ties decide some of them, see the generate test)."""
     script = ROOT / "examples" / "transformers_generate.py"
+    # the package of this tree, installed or not (a script's own folder leads its sys.path)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--new-tokens", "4"],
         check=True,
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
     )
     lines = dict(line.strip().split(": ", 1) for line in result.stdout.strip().splitlines())
     assert lines.keys() == {"dmattn_cute", "sdpa", "dynamic mask, top-8 keys per query"}
