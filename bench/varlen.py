@@ -2,7 +2,8 @@
 target: varlen forward + backward within 1.1x of the padded batch's time), and FlexAttention
 over the packed tokens with a document mask.
 
-    python3 -m bench.varlen [--max-len 4096] [--count 8] [--no-causal] [--no-flex] [--out DIR]
+    python3 -m bench.varlen [--max-len 4096] [--count 8] [--unaligned] [--no-causal] [--no-flex]
+        [--out DIR]
 
 The lengths run evenly from max_len down to about max_len / 2, all different (so the varlen
 path's runs of equal lengths are single sequences). Both layouts carry a per-key bias and take
@@ -24,10 +25,12 @@ from torch import Tensor
 from dmattn_cute import flash_dmattn_func, flash_dmattn_varlen_func
 
 
-def sequence_lengths(max_len: int, count: int) -> list[int]:
-    """`count` different lengths from max_len down by max_len // (2 * count) each."""
+def sequence_lengths(max_len: int, count: int, unaligned: bool = False) -> list[int]:
+    """`count` different lengths from max_len down by max_len // (2 * count) each; unaligned:
+    sequence i also 37 * (i + 1) shorter, so that the packed sequences start off the 128-row tiles
+    (more tiles straddle two sequences)."""
     step = max(1, max_len // (2 * count))
-    return [max_len - i * step for i in range(count)]
+    return [max_len - i * step - (37 * (i + 1) if unaligned else 0) for i in range(count)]
 
 
 @dataclass
@@ -113,12 +116,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--heads-kv", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--unaligned", action="store_true")
     parser.add_argument("--no-causal", action="store_true")
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     causal = not args.no_causal
-    lengths = sequence_lengths(args.max_len, args.count)
+    lengths = sequence_lengths(args.max_len, args.count, args.unaligned)
     lay = make_layouts(lengths, args.heads, args.heads_kv, args.head_dim, "cuda", torch.bfloat16)
     padded_leaves = [lay.padded[i] for i in (0, 1, 2, 4)]
     dout_padded = torch.randn_like(lay.padded[0])

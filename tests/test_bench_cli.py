@@ -239,6 +239,8 @@ def test_varlen_bench_layouts_hold_the_same_sequences() -> None:
     from bench.varlen import make_layouts, sequence_lengths
 
     assert sequence_lengths(4096, 8) == [4096 - 256 * i for i in range(8)]
+    starts = torch.tensor(sequence_lengths(4096, 8, unaligned=True)).cumsum(0)[:-1]
+    assert (starts % 128 != 0).all()
     lay = make_layouts([7, 3, 5], 4, 2, 32, "cpu", torch.bfloat16)
     assert lay.cu_seqlens.tolist() == [0, 7, 10, 15] and int(lay.valid.sum()) == 15
     for causal in (False, True):
