@@ -108,5 +108,6 @@ def kernel_scalars(
         "mask_head_div": heads // (1 if mask is None else mask.shape[1]),
         "bias_head_div": heads // (1 if bias is None else bias.shape[1]),
         "group": heads // problem.num_heads_kv,
+        "key_chunks": 1,  # fwd_launch.flash_fwd sets its own
     }
     return kind(**{name: values[name] for name in kind._fields})
