@@ -148,6 +148,9 @@ def _forward_chunks(
     CUDA the kernels read the mask/bias rows in place, chunk by chunk (fwd_launch.flash_fwd's
     key_chunks), where they can; else the rows are copied into chunk order (chunk_operands)."""
     if fold == "batch" and eager_cuda(q):
+        # stride 0 on size-1 dims, as make_problem views the operands (e.g. the kv-cache
+        # API's lengths rows [B, 1, 1, Sk] come from indexing with None)
+        mask, bias = broadcast_view(mask), broadcast_view(bias)
         queries, keys, values, _, _ = chunk_operands(q, k, v, None, None, splits, fold)
         problem, _, _ = make_problem(
             queries, keys, values, None, None, softmax_scale, False, softcap, (-1, -1), False
