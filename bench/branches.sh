@@ -11,7 +11,9 @@
 set -uo pipefail
 out="${OUT:-/tmp/dmattn-out}"; mkdir -p "$out"
 root="$(pwd)"
-args=("$@"); [ ${#args[@]} -gt 0 ] || args=(-m gpu)
+args=()  # pytest runs with -q already: another would hide its summary line
+for arg in "$@"; do [ "$arg" = -q ] || args+=("$arg"); done
+[ ${#args[@]} -gt 0 ] || args=(-m gpu)
 source bench/carried.sh
 status=0
 for patch in "$root"/.patches/*.patch; do
