@@ -80,7 +80,11 @@ def bits_spec_of(
     None (mask/bias: normalized 4-D views, as forward_spec_of takes them; an int32 mask is an
     expiry, whose bits need no pre-pass)."""
     spec = forward_spec_of(problem, mask, bias, arch)
-    if not isinstance(spec, Sm90FwdSpec) or mask is None or mask.dtype == torch.int32:
+    if (
+        not isinstance(spec, Sm90FwdSpec)
+        or mask is None
+        or mask.dtype in expiry_launch.EXPIRY_DTYPES
+    ):
         return None
     return block_bits_spec(operand_view(mask), problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
 
@@ -121,8 +125,12 @@ def _plan(
         refusal = key_chunks_refusal(spec, problem, mask, bias, key_chunks)
         if refusal is not None:
             raise ValueError(refusal)
-    if not isinstance(spec, Sm90FwdSpec) or mask is None or mask.dtype == torch.int32:
-        # (an int32 mask is an expiry: its bits come from expiry_launch, not the pre-pass)
+    if (
+        not isinstance(spec, Sm90FwdSpec)
+        or mask is None
+        or mask.dtype in expiry_launch.EXPIRY_DTYPES
+    ):
+        # (an integer mask is an expiry or key ranges: its bits come from expiry_launch)
         return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None)
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     bits_spec = BlockBitsSpec(mask_spec, tile_m, tile_n)

@@ -18,6 +18,7 @@ _DTYPE_NAMES = {
     torch.float32: "fp32",
     torch.uint8: "u8",
     torch.int32: "i32",  # a mask of top-w expiry rows (kernels/expiry_launch.py)
+    torch.int64: "i64",  # a mask of key ranges: first row << 32 | expiry (the same)
 }
 
 Scalars = TypeVar("Scalars", bound=tuple)

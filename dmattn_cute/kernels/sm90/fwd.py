@@ -538,7 +538,8 @@ class FlashFwdSm90:
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=row_bias, bias_after_gemm=row_bias,
-            mask_expiry=spec.mask is not None and spec.mask.dtype == "i32",
+            mask_expiry=spec.mask is not None and spec.mask.dtype in ("i32", "i64"),
+            mask_ranges=spec.mask is not None and spec.mask.dtype == "i64",
             log2_units=log2_units, scale_log2=scale_log2,
         )  # fmt: skip
         softmax = OnlineSoftmax.create(
