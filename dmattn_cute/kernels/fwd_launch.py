@@ -77,8 +77,8 @@ def bits_spec_of(
     problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
 ) -> BlockBitsSpec | None:
     """The block-bits pre-pass a forward call runs first (the Hopper kernel with a mask), or
-    None (mask/bias: normalized 4-D views, as forward_spec_of takes them; an int32 mask is an
-    expiry, whose bits need no pre-pass)."""
+    None (mask/bias: normalized 4-D views, as forward_spec_of takes them; an integer mask is
+    an expiry or key ranges, whose bits need no pre-pass)."""
     spec = forward_spec_of(problem, mask, bias, arch)
     if (
         not isinstance(spec, Sm90FwdSpec)
