@@ -15,19 +15,25 @@ from tests.utils import expiry_grads_and_check, grads_and_check
 pytestmark = pytest.mark.gpu
 
 
+def precompile_without_gpu(arch: str, cache_dir: Path, *args: str) -> str:
+    """Run `python -m dmattn_cute.precompile` for `arch` into `cache_dir` where no GPU is
+    visible, as in a docker build; its stdout."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("DMATTN_CUTE_ARCH", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "dmattn_cute.precompile", "--arch", arch,
+         "--cache-dir", str(cache_dir), *args],
+        env=env, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
+
+
 def test_precompiled_kernels_load_with_zero_compiles(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     arch = target_arch()
-    args = ["--arch", arch, "--head-dims", "64", "--dtypes", "bf16", "--cache-dir", str(tmp_path)]
-    # The precompile runs where no GPU is visible, as in a docker build.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("DMATTN_CUTE_ARCH", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "dmattn_cute.precompile", *args],
-        env=env, capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    stdout = precompile_without_gpu(arch, tmp_path, "--head-dims", "64", "--dtypes", "bf16")
 
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
     cache.clear_memory()
@@ -55,7 +61,7 @@ def test_precompiled_kernels_load_with_zero_compiles(
     }
     with capsys.disabled():
         print(
-            f"\n{torch.cuda.get_device_name()} ({arch}): {result.stdout.strip()}\n"
+            f"\n{torch.cuda.get_device_name()} ({arch}): {stdout}\n"
             f"{len(patterns)} call patterns, fwd + bwd: {cache.compile_count() - compiles} "
             f"compiles, {loaded} kernels loaded from the precompiled cache"
         )
@@ -72,16 +78,8 @@ def test_precompiled_decode_steps_load_with_zero_compiles(
     the forward, block bits and combine kernels all come from the cache."""
     from dmattn_cute import flash_dmattn_with_kvcache
 
-    arch = target_arch()
-    args = ["--arch", arch, "--head-dims", "128", "--dtypes", "bf16", "--decode",
-            "--cache-dir", str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("DMATTN_CUTE_ARCH", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "dmattn_cute.precompile", *args],
-        env=env, capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    precompile_without_gpu(target_arch(), tmp_path, "--head-dims", "128", "--dtypes", "bf16",
+                           "--decode")  # fmt: skip
 
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
     cache.clear_memory()
