@@ -64,8 +64,10 @@ def flash_dmattn_func(
     can hold. key_expiry (keyword only, beyond SPEC.md): int32 [Be, He, Sk], Be in {1, B},
     He in {1, Hkv, H}: query i keeps key j only while i + Sk - Sq < key_expiry[b, h, j],
     ANDed with the rest; with is_causal=True, topw.topw_expiry's rows give each query its top
-    w keys by a per-key score (dmattn_cute/topw.py). Raises TypeError / ValueError on bad
-    input before any work is done.
+    w keys by a per-key score (dmattn_cute/topw.py). As int64, key ranges: first row << 32 |
+    expiry, query i keeping key j while first row <= i + Sk - Sq < expiry (e.g. packed
+    sequences, dmattn_cute/varlen.py). Raises TypeError / ValueError on bad input before any
+    work is done.
     """
     problem = check_problem(
         query,

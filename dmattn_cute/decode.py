@@ -4,9 +4,9 @@ keys split into chunks run side by side (split-KV: enough CTAs to read the cache
 GPU's bandwidth), their partial outputs merged by their log-sum-exps.
 
 Used by flash_dmattn_with_kvcache for Sq = 1. On CUDA the chunks run as one forward launch
-where the keys divide evenly (else one per chunk), and the merge is one more
-(kernels/combine.py). The forward reading its chunk of the keys itself (no copies of the
-mask/bias rows, any Sk) is the next step (issue 16)."""
+where the keys divide evenly (else one per chunk), reading the mask/bias rows in place
+where the chunks are whole key tiles (else copied into chunk order), and the merge is one
+more (kernels/combine.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from dmattn_cute.kernels.bwd_launch import sm_count
 from dmattn_cute.kernels.combine_launch import combine_splits
-from dmattn_cute.kernels.fwd_launch import flash_fwd
+from dmattn_cute.kernels.fwd_launch import flash_fwd, reads_key_chunks
 from dmattn_cute.ops import attention_fwd, eager_cuda
 from dmattn_cute.problem import Problem, broadcast_view, make_problem
 
@@ -110,9 +110,7 @@ def packed_decode(
     group = heads // heads_kv
     fold = chunk_fold(k, v, splits)
     if fold is not None:
-        out, lse = _forward(
-            *chunk_operands(q, k, v, mask, bias, splits, fold), softmax_scale, softcap
-        )
+        out, lse = _forward_chunks(q, k, v, mask, bias, splits, fold, softmax_scale, softcap)
         if fold == "batch":  # chunk s of row b: batch entry b * splits + s
             outs = out.view(batch, splits, group, heads_kv, head_dim)
             lses = lse.view(batch, splits, heads_kv, group)
@@ -141,6 +139,26 @@ def packed_decode(
     out = (weights.transpose(2, 3)[..., None] * outs).sum(dim=1)  # fp32 [B, group, Hkv, D]
     out = out.transpose(1, 2).reshape(batch, 1, heads, head_dim).to(q.dtype)
     return out, lse.reshape(batch, heads, 1)
+
+
+def _forward_chunks(
+    q, k, v, mask, bias, splits: int, fold: str, softmax_scale, softcap
+) -> tuple[Tensor, Tensor]:
+    """out, lse of the one forward over the folded chunks. With the "batch" fold on eager
+    CUDA the kernels read the mask/bias rows in place, chunk by chunk (fwd_launch.flash_fwd's
+    key_chunks), where they can; else the rows are copied into chunk order (chunk_operands)."""
+    if fold == "batch" and eager_cuda(q):
+        # stride 0 on size-1 dims, as make_problem views the operands (e.g. the kv-cache
+        # API's lengths rows [B, 1, 1, Sk] come from indexing with None)
+        mask, bias = broadcast_view(mask), broadcast_view(bias)
+        queries, keys, values, _, _ = chunk_operands(q, k, v, None, None, splits, fold)
+        problem, _, _ = make_problem(
+            queries, keys, values, None, None, softmax_scale, False, softcap, (-1, -1), False
+        )
+        if reads_key_chunks(problem, mask, bias, splits, q.device):
+            out, lse, _ = flash_fwd(problem, queries, keys, values, mask, bias, key_chunks=splits)
+            return out, lse
+    return _forward(*chunk_operands(q, k, v, mask, bias, splits, fold), softmax_scale, softcap)
 
 
 def _forward(q, k, v, mask, bias, softmax_scale, softcap) -> tuple[Tensor, Tensor]:

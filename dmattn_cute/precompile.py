@@ -231,7 +231,7 @@ def planned_kernels(
     """(kind, spec) of every kernel a flash_dmattn_func call on these tensors runs on `arch`
     (its backward too, if `backward`), planned by the launches' own code. An int32 `mask` is
     a key_expiry: the Hopper kernels' mask operand, an element mask elsewhere."""
-    expiry = mask is not None and mask.dtype == torch.int32
+    expiry = mask is not None and mask.dtype in (torch.int32, torch.int64)
     problem, mask4, bias4 = make_problem(
         q, k, v, None if expiry else mask, bias, None, is_causal, softcap, (-1, -1),
         deterministic,

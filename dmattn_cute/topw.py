@@ -108,14 +108,24 @@ def expiry_mask(expiry: Tensor, seqlen_q: int) -> Tensor:
 def check_key_expiry(
     key_expiry: object, batch: int, heads: int, heads_kv: int, seqlen_k: int, device
 ) -> None:
-    """Raise TypeError / ValueError unless key_expiry is an int32 [Be, He, Sk] tensor with Be
-    in {1, B} and He in {1, Hkv, H} on `device` (flash_dmattn_func's key_expiry)."""
+    """Raise TypeError / ValueError unless key_expiry is an int32 [Be, He, Sk] tensor (or
+    int64 key ranges) with Be in {1, B} and He in {1, Hkv, H} on `device`
+    (flash_dmattn_func's key_expiry)."""
+    ranges = isinstance(key_expiry, Tensor) and key_expiry.dtype == torch.int64
     check_compact_mask(
-        "key_expiry", key_expiry, torch.int32, device,
+        "key_expiry", key_expiry, torch.int64 if ranges else torch.int32, device,
         ((1, batch), (1, heads_kv, heads), (seqlen_k,)),
         lambda: f"[Be, He, Sk] with Be in {{1, {batch}}}, He in {{1, {heads_kv}, {heads}}} and "
         f"Sk = {seqlen_k}",
     )  # fmt: skip
+
+
+def split_ranges(key_expiry: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(expiry, first row) of int64 key ranges (first row << 32 | expiry), both int32; or
+    (expiry, None) for int32 expiry rows."""
+    if key_expiry.dtype == torch.int32:
+        return key_expiry, None
+    return (key_expiry & 0xFFFFFFFF).to(torch.int32), (key_expiry >> 32).to(torch.int32)
 
 
 def with_key_expiry(
@@ -123,11 +133,22 @@ def with_key_expiry(
 ) -> Tensor:
     """attn_mask (3-D or 4-D, or None) and key_expiry [Be, He, Sk] as one materialized element
     mask of their broadcast shape: row i keeps key j where attn_mask does and i + Sk - Sq <
-    key_expiry[j] (no causal limit: that stays is_causal's). `group` = H / Hkv maps an Hkv
-    head dim onto an H one."""
+    key_expiry[j] (no causal limit: that stays is_causal's), and for int64 key ranges (first
+    row << 32 | expiry) from i + Sk - Sq = first row on. `group` = H / Hkv maps an Hkv head
+    dim onto an H one."""
     seqlen_k = key_expiry.shape[-1]
     positions = torch.arange(seqlen_q, device=key_expiry.device) + (seqlen_k - seqlen_q)
-    return and_masks(attn_mask, positions[:, None] < key_expiry[:, :, None, :], group)
+    expiry, first = split_ranges(key_expiry)
+    keep = positions[:, None] < expiry[:, :, None, :]
+    if first is not None:
+        keep &= positions[:, None] >= first[:, :, None, :]
+    return and_masks(attn_mask, keep, group)
 
 
-__all__ = ["check_key_expiry", "expiry_mask", "topw_expiry", "with_key_expiry"]
+__all__ = [
+    "check_key_expiry",
+    "expiry_mask",
+    "split_ranges",
+    "topw_expiry",
+    "with_key_expiry",
+]

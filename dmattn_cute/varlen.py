@@ -17,11 +17,12 @@ its own bottom-right corner). A mask or a bias is given either
 Differentiable in q, k, v and the bias (dbias in the bias's shape and dtype). Nothing is
 padded or copied; the packed tensors are read through views, in one of two ways:
 
-- causal self-attention (cu_seqlens_q equal to cu_seqlens_k), operands per key token or none,
-  eager on the Hopper kernels: one flash_dmattn_func call over all tokens as one sequence, each
-  key expiring at the end of its own sequence (its key_expiry; a per-key-token mask folds in
-  as expiry 0). With the causal limit that keeps exactly the keys of the query's own sequence
-  at or before it, and the kernels skip the tiles between sequences by their block bits;
+- self-attention (cu_seqlens_q equal to cu_seqlens_k), operands per key token or none, eager
+  on the Hopper kernels: one flash_dmattn_func call over all tokens as one sequence, each key
+  kept for the query rows of its own sequence (its key_expiry: causal, the rows up to the
+  sequence's end; else the key range of rows from its start to its end; a per-key-token mask
+  folds in as an empty range). The kernels skip the tiles between sequences by their block
+  bits;
 - otherwise one flash_dmattn_func call per run of consecutive sequences of equal lengths (one
   batched call), so sequences of many different lengths cost one launch each. A kernel that
   walks cu_seqlens itself is the next step (issue 16).
@@ -111,13 +112,14 @@ def flash_dmattn_varlen_func(
                 break
 
     runs = _runs(seqlens_q, seqlens_k, attn_mask, attn_bias)
-    if len(runs) > 1 and _as_documents(q, is_causal, seqlens_q, seqlens_k, attn_mask, attn_bias):
+    if len(runs) > 1 and _as_documents(q, seqlens_q, seqlens_k, attn_mask, attn_bias):
+        expiry = _document_expiry(cu_seqlens_k, seqlens_k, attn_mask, not is_causal, q.device)
         out, lse = flash_dmattn_func(
             q[None], k[None], v[None], None,
             None if attn_bias is None else attn_bias[None, :, None],
-            softmax_scale=softmax_scale, is_causal=True, softcap=softcap,
+            softmax_scale=softmax_scale, is_causal=is_causal, softcap=softcap,
             window_size=window_size, deterministic=deterministic, return_lse=True,
-            key_expiry=_document_expiry(cu_seqlens_k, seqlens_k, attn_mask, q.device),
+            key_expiry=expiry,
         )  # fmt: skip
         return (out[0], lse[0]) if return_lse else out[0]
     outs, lses = [], []
@@ -149,19 +151,13 @@ def flash_dmattn_varlen_func(
 
 
 def _as_documents(
-    q: Tensor,
-    is_causal: bool,
-    seqlens_q: list[int],
-    seqlens_k: list[int],
-    attn_mask: Operand,
-    attn_bias: Operand,
+    q: Tensor, seqlens_q: list[int], seqlens_k: list[int], attn_mask: Operand, attn_bias: Operand
 ) -> bool:
-    """Whether the sequences run as one call over all tokens (module docstring): causal, equal
-    query and key lengths, operands per key token or none, and the Hopper kernels reading the
+    """Whether the sequences run as one call over all tokens (module docstring): equal query
+    and key lengths, operands per key token or none, and the Hopper kernels reading the
     expiry themselves (elsewhere it would become an element mask of total_q x total_k)."""
     return (
-        is_causal
-        and seqlens_q == seqlens_k
+        seqlens_q == seqlens_k
         and all(t is None or isinstance(t, Tensor) for t in (attn_mask, attn_bias))
         and eager_cuda(q)
         and hopper_kernels(target_arch(q.device))
@@ -169,29 +165,37 @@ def _as_documents(
 
 
 def _document_expiry(
-    cu_seqlens_k: Tensor, seqlens: list[int], attn_mask: Tensor | None, device: torch.device
+    cu_seqlens_k: Tensor,
+    seqlens: list[int],
+    attn_mask: Tensor | None,
+    ranges: bool,
+    device: torch.device,
 ) -> Tensor:
-    """key_expiry [1, Hm, total] int32 of packed causal sequences: each key's sequence end
-    (query rows from there on belong to later sequences), 0 where a per-key-token mask
+    """key_expiry [1, Hm, total] of packed sequences: int32, each key's sequence end (the
+    causal call: query rows from there on belong to later sequences); with `ranges`, int64
+    key ranges, its sequence's start << 32 | end. 0 (no row) where a per-key-token mask
     [Hm, total] hides the key. Remembered for the mask (or cu_seqlens_k) and the lengths,
-    and with it the expiry's block bits (kernels/expiry_launch.py): every layer of a step
-    reuses them."""
+    and with it its block bits (kernels/expiry_launch.py): every layer of a step reuses
+    them."""
     anchor = cu_seqlens_k if attn_mask is None else attn_mask
-    key = (tuple(seqlens), device)
+    key = (tuple(seqlens), ranges, device)
+    total = sum(seqlens)
     return remember_for(
-        _EXPIRY, anchor, key, lambda: _expiry_rows(cu_seqlens_k, attn_mask, sum(seqlens), device)
+        _EXPIRY, anchor, key, lambda: _expiry_rows(cu_seqlens_k, attn_mask, ranges, total, device)
     )
 
 
 def _expiry_rows(
-    cu_seqlens_k: Tensor, attn_mask: Tensor | None, total: int, device: torch.device
+    cu_seqlens_k: Tensor, attn_mask: Tensor | None, ranges: bool, total: int, device
 ) -> Tensor:
-    cu = cu_seqlens_k.to(device=device, dtype=torch.int32)
-    lengths = torch.diff(cu).to(torch.int64)
+    cu = cu_seqlens_k.to(device=device, dtype=torch.int64)
+    lengths = torch.diff(cu)
     expiry = torch.repeat_interleave(cu[1:], lengths, output_size=total)
+    if ranges:
+        expiry |= torch.repeat_interleave(cu[:-1], lengths, output_size=total) << 32
     if attn_mask is not None:
-        expiry = torch.where(attn_mask, expiry, 0).to(torch.int32)
-    return expiry.view(1, -1, total)
+        expiry = torch.where(attn_mask, expiry, 0)
+    return expiry.to(torch.int64 if ranges else torch.int32).view(1, -1, total)
 
 
 def _runs(

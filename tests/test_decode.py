@@ -42,6 +42,82 @@ def test_packed_split_decode_matches_reference(device, splits, layout, mask_head
     torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_heads", [2, 1, None])
+@pytest.mark.parametrize("bias_shape", [(1, 2, 1, 2048), (3, 2, 1, 1), None])
+def test_split_decode_reads_the_operand_rows_in_place(monkeypatch, mask_heads, bias_shape):
+    """Chunks of whole key tiles (2048 keys in 4 chunks): the one forward gets the caller's
+    mask/bias rows themselves (the same storage, no copies in chunk order) with key_chunks,
+    and the result is the reference's, with whole chunks and a whole row without a visible
+    key."""
+    from dmattn_cute import decode
+    from dmattn_cute.problem import broadcast_view
+
+    calls = []
+    forward = decode.flash_fwd
+    monkeypatch.setattr(
+        decode, "flash_fwd", lambda *a, **kw: calls.append((a, kw)) or forward(*a, **kw)
+    )
+    b, sk, h, hkv, d = 3, 2048, 8, 2, 128
+    mask_shape = None if mask_heads is None else (b, mask_heads, 1, sk)
+    q, k, v, mask, bias = random_inputs(
+        b, 1, sk, h, hkv, d, torch.bfloat16, "cuda", mask_shape=mask_shape,
+        bias_shape=bias_shape, mask_density=0.6,
+    )  # fmt: skip
+    if mask is not None:
+        mask[0, :, :, :1024] = False  # whole chunks without a visible key
+        mask[1] = False  # a row that sees no key at all
+    mask4, bias4 = broadcast_view(mask), broadcast_view(bias)
+    out, lse = packed_decode(q, k, v, mask4, bias4, None, 0.0, 4)
+    ((args, kwargs),) = calls
+    assert kwargs == {"key_chunks": 4}
+    for given, passed in zip((mask4, bias4), args[4:6], strict=True):
+        if given is None:
+            assert passed is None
+        else:  # the same view of the same storage
+            assert passed.data_ptr() == given.data_ptr()
+            assert (passed.shape, passed.stride()) == (given.shape, given.stride())
+    ref, ref_lse = attention_ref(q, k, v, mask, bias, compute_dtype=torch.float32)
+    lowp, _ = attention_ref(q, k, v, mask, bias)
+    check_close("out", out, ref, lowp, q.dtype)
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-3, atol=1e-3)
+
+
+def test_key_chunks_refusals():
+    """What fwd_launch.flash_fwd's key_chunks refuses, before any launch (planned on meta
+    tensors for sm_90a, whose key tiles are 64 wide for one query row with a mask)."""
+    from dmattn_cute.kernels.fwd_launch import fwd_spec, key_chunks_refusal
+    from dmattn_cute.kernels.launch import operand_view
+    from dmattn_cute.problem import make_problem
+
+    def refusal(batch, chunk, chunks, mask_shape, bias_shape=None, rows=4):
+        q = torch.empty(batch, rows, 2, 64, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(batch, chunk, 2, 64, dtype=torch.bfloat16, device="meta")
+        problem, _, _ = make_problem(q, k, k, None, None, None, False, 0.0, (-1, -1), False)
+        mask = (
+            None if mask_shape is None else torch.empty(mask_shape, dtype=torch.bool, device="meta")
+        )
+        bias = (
+            None
+            if bias_shape is None
+            else torch.empty(bias_shape, dtype=torch.bfloat16, device="meta")
+        )
+        mask, bias = operand_view(mask), operand_view(bias)
+        spec = fwd_spec(problem, mask, bias, "sm_90a")
+        return key_chunks_refusal(spec, problem, mask, bias, chunks)
+
+    assert refusal(8, 512, 4, (2, 2, 1, 2048)) is None
+    assert refusal(8, 512, 4, (1, 1, 1, 2048), (2, 2, 1, 1)) is None
+    assert "does not divide the batch 6" in refusal(6, 512, 4, (2, 2, 1, 2048))
+    assert "mask: expected [1 or 2, Hm, Qm, 1 or 2048]" in refusal(8, 512, 4, (2, 2, 1, 512))
+    assert "bias: expected" in refusal(8, 512, 4, None, (8, 2, 1, 2048))
+    assert "not whole key tiles of 64" in refusal(8, 500, 4, (2, 2, 1, 2000))
+    assert refusal(8, 500, 4, None, (2, 2, 1, 2000)) is None  # no mask: no block bits
+    assert "read by TMA" in refusal(8, 512, 4, None, (2, 2, 4, 2048))
+
+
 def test_what_packs():
     q, k, _, _, _ = random_inputs(2, 1, 64, 8, 2, 32, torch.bfloat16, "cpu")
     per_head = torch.zeros(2, 8, 1, 64)

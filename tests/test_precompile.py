@@ -120,6 +120,37 @@ def test_decode_variants_are_what_the_launch_plans(launches) -> None:
         assert {spec for spec, _ in launches["calls"]} <= listed, str(pattern)
 
 
+def test_decode_steps_launch_listed_variants(launches, monkeypatch) -> None:
+    """A kv-cache decode step of each pattern, run as on the GPU (decode's eager CUDA path on
+    CPU tensors, the launches recorded: the mask/bias rows read in place with key_chunks,
+    as the API builds them), launches only the variants precompile --decode lists."""
+    from dmattn_cute import decode, flash_dmattn_with_kvcache
+
+    monkeypatch.setattr(decode, "eager_cuda", lambda q: True)
+    batch, sk = precompile.BATCH, precompile.DECODE_CACHE
+    for pattern in precompile.decode_patterns(["bf16"], [128]):
+        heads, heads_kv = pattern.heads
+        mask_heads, has_bias = precompile.DECODE_OPERANDS[pattern.operands]
+        q = torch.randn(batch, 1, heads, 128, dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, sk, heads_kv, 128, dtype=torch.bfloat16) for _ in range(2))
+        bias = torch.randn(batch, heads_kv, 1, sk, dtype=torch.bfloat16) if has_bias else None
+        mask = lengths = None
+        if mask_heads == 1:  # the cache lengths become the mask rows [B, 1, 1, Sk]
+            lengths = torch.tensor([sk - 1000, sk - 7], dtype=torch.int32)
+        elif mask_heads == "kv":
+            mask = torch.rand(batch, heads_kv, 1, sk) < 0.5
+        launches["calls"].clear()
+        flash_dmattn_with_kvcache(
+            q, k, v, cache_seqlens=lengths, attn_mask=mask, attn_bias=bias,
+            softcap=pattern.softcap,
+        )  # fmt: skip
+        launched = {spec for spec, _ in launches["calls"]}
+        listed = {spec for _, spec in pattern.kernels("sm_90a")}
+        assert launched and launched <= listed, str(pattern)
+        forward = [args for spec, args in launches["calls"] if "Fwd" in type(spec).__name__]
+        assert forward[0][-1] > 1, str(pattern)  # key_chunks: the rows read in place
+
+
 def test_default_variants_cover_every_pattern_and_kernel() -> None:
     patterns = precompile.call_patterns()
     labels = [label for label, _ in precompile.variants("sm_89", patterns)]

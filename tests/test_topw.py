@@ -130,8 +130,9 @@ def test_key_expiry_is_validated() -> None:
     )
     good = torch.zeros(2, 2, 12, dtype=torch.int32)
     flash_dmattn_func(q, k, k, key_expiry=good)
+    flash_dmattn_func(q, k, k, key_expiry=good.long())  # int64: key ranges
     with pytest.raises(TypeError, match="key_expiry: expected dtype torch.int32"):
-        flash_dmattn_func(q, k, k, key_expiry=good.long())
+        flash_dmattn_func(q, k, k, key_expiry=good.float())
     with pytest.raises(ValueError, match="key_expiry: expected \\[Be, He, Sk\\]"):
         flash_dmattn_func(q, k, k, key_expiry=good[:, :, :11])
     with pytest.raises(ValueError, match="key_expiry: expected \\[Be, He, Sk\\]"):
@@ -231,3 +232,62 @@ def test_expiry_bits_are_built_once_per_expiry() -> None:
     assert expiry_bits(expiry, problem, 128, 128) is first
     expiry[..., 0] = 0  # in place: rebuilt
     assert expiry_bits(expiry, problem, 128, 128) is not first
+
+
+def document_ranges(lengths: list[int], heads: int = 1) -> torch.Tensor:
+    """int64 key ranges [1, heads, sum(lengths)] of packed sequences: start << 32 | end."""
+    ends = torch.tensor(lengths).cumsum(0)
+    starts = ends - torch.tensor(lengths)
+    ranges = torch.repeat_interleave(starts << 32 | ends, torch.tensor(lengths))
+    return ranges.expand(1, heads, -1).contiguous()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_ranges_keep_each_row_of_a_range(causal) -> None:
+    """int64 key ranges (first row << 32 | expiry): query i keeps key j while first row <= i <
+    expiry (and the rest), as the element mask that says so; an empty range (0) keeps no row."""
+    from dmattn_cute import flash_dmattn_func
+    from dmattn_cute.reference import attention_ref
+
+    lengths = [70, 1, 129, 56]
+    total = sum(lengths)
+    q, k, v = (torch.randn(1, total, 2, 32, dtype=torch.bfloat16) for _ in range(3))
+    ranges = document_ranges(lengths)
+    ranges[0, 0, 5] = 0  # a key no row keeps
+    out, lse = flash_dmattn_func(q, k, v, is_causal=causal, key_expiry=ranges, return_lse=True)
+    rows = torch.arange(total)[:, None]
+    keep = (rows >= ranges[0, 0] >> 32) & (rows < (ranges[0, 0] & 0xFFFFFFFF))
+    mask = keep[None, None]
+    ref, ref_lse = attention_ref(q, k, v, mask, None, is_causal=causal)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    torch.testing.assert_close(lse[finite], ref_lse[finite].float(), atol=1e-3, rtol=1e-3)
+
+
+def test_hopper_launches_read_key_ranges_as_their_mask(launches) -> None:
+    """sm_90a: key ranges of packed sequences reach the forward and backward as an int64
+    [Be, He, 1, Sk] view, with bits equal to the definition's on the element mask they stand
+    for (exact for sequences: their keys' ranges are contiguous)."""
+    from dmattn_cute.kernels.bwd_launch import flash_bwd
+    from dmattn_cute.kernels.fwd_launch import flash_fwd
+    from dmattn_cute.problem import make_problem
+    from tests.test_block_bits_gpu import bits_ref
+
+    lengths = [300, 129, 1, 90]
+    total = sum(lengths)
+    q = torch.randn(1, total, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, total, 2, 64, dtype=torch.bfloat16)
+    ranges = document_ranges(lengths, 2)
+    problem, _, _ = make_problem(q, k, k, None, None, None, False, 0.0, (-1, -1), False)
+    dense = with_key_expiry(None, ranges, total, 2)
+    flash_fwd(problem, q, k, k, None, None, key_expiry=ranges)
+    out, stats = torch.randn_like(q), torch.zeros(1, 4, 2, total)
+    flash_bwd(problem, torch.randn_like(q), q, k, k, None, None, out, stats, False,
+              key_expiry=ranges)  # fmt: skip
+    (fwd, fwd_args), _, (bwd, bwd_args) = launches["calls"]
+    for spec, mask, bits in ((fwd, fwd_args[6], fwd_args[8]), (bwd, bwd_args[12], bwd_args[14])):
+        assert spec.mask.dtype == "i64" and mask.dtype == torch.int64
+        assert mask.shape == (1, 2, 1, total) and mask.stride(2) == 0
+        tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
+        assert torch.equal(bits, bits_ref(dense, total, total, tile_m, tile_n)), type(spec).__name__

@@ -1,7 +1,7 @@
 """flash_dmattn_varlen_func: each packed sequence attends only to itself, equal to the reference
 run on that sequence alone (outputs, lse and the gradients of q, k, v and the bias), with the
 mask and bias per key token or per sequence, runs of equal lengths batched into one call, and
-causal packed self-attention as one call over all tokens (Hopper). On CPU (the reference path)
+packed self-attention as one call over all tokens (Hopper). On CPU (the reference path)
 and, marked gpu, on CUDA (the kernels)."""
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ CASES = {
     # causal, equal lengths: one call over all tokens on the Hopper kernels (key_expiry)
     "causal-documents": {"lens_q": [37, 130, 1, 0, 200, 64], "lens_k": [37, 130, 1, 0, 200, 64],
                          "key_mask": True, "key_bias": True, "is_causal": True},
+    "documents-not-causal": {"lens_q": [37, 130, 1, 0, 200, 64], "lens_k": [37, 130, 1, 0, 200, 64],
+                             "key_mask": True, "key_bias": True},
     "causal-documents-window-softcap": {"lens_q": [50, 129, 77], "lens_k": [50, 129, 77],
                                         "key_bias": True, "is_causal": True,
                                         "window_size": (16, -1), "softcap": 3.0},
@@ -181,10 +183,11 @@ def test_runs_of_equal_lengths_are_one_call(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_causal_documents_are_one_call_on_hopper(monkeypatch):
-    """Causal packed self-attention (equal query and key lengths) with per-key-token operands
-    runs as one call over all tokens, each key expiring at its sequence's end, where the
-    Hopper kernels run; runs of equal lengths elsewhere, and when the lengths differ."""
+def test_documents_are_one_call_on_hopper(monkeypatch):
+    """Packed self-attention (equal query and key lengths) with per-key-token operands runs
+    as one call over all tokens, each key kept for its own sequence's rows (an expiry at its
+    end, causal; else a key range), where the Hopper kernels run; runs of equal lengths
+    elsewhere, and when the lengths differ."""
     from dmattn_cute import varlen
     from dmattn_cute.jit.arch import hopper_kernels, target_arch
 
@@ -203,8 +206,8 @@ def test_causal_documents_are_one_call_on_hopper(monkeypatch):
     runs = [(1, False), (2, False), (1, False)]
     assert calls == ([(1, True)] if hopper_kernels(target_arch(q.device)) else runs)
     calls.clear()
-    flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, attn_mask=mask)  # not causal
-    assert calls == runs
+    flash_dmattn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, attn_mask=mask)  # not causal: ranges
+    assert calls == ([(1, True)] if hopper_kernels(target_arch(q.device)) else runs)
     calls.clear()
     lens_k = [6, 9, 9, 3]
     q, k, v, cu_q, cu_k, _ = packed("cuda", lens, lens_k)

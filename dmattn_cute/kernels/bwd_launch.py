@@ -201,7 +201,7 @@ def backward_spec_of(
 def backward_bits_spec_of(spec: BwdSpec | Sm90BwdSpec) -> BlockBitsSpec | None:
     """The block-bits pre-pass a backward variant runs first (the Hopper kernel with a mask,
     for its own tiles), or None (an expiry's bits need no pre-pass)."""
-    if not isinstance(spec, Sm90BwdSpec) or spec.mask is None or spec.mask.dtype == "i32":
+    if not isinstance(spec, Sm90BwdSpec) or spec.mask is None or spec.mask.dtype in ("i32", "i64"):
         return None
     return BlockBitsSpec(spec.mask, spec.tile.tile_m, spec.tile.tile_n)
 

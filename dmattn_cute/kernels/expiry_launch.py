@@ -2,7 +2,8 @@
 
 The kernels read an expiry [Be, He, Sk] int32 as their mask operand: a one-row (query-
 broadcast) tile per key block, kept where the score's row + Sk - Sq is below the key's expiry
-(Scores.mask_expiry). Its block bits come from each key block's largest and smallest expiry:
+(Scores.mask_expiry); int64 key ranges (first row << 32 | expiry) also need the row at or
+past the key's first row. Its block bits come from each key block's largest and smallest expiry:
 a tile is visible where some key outlives the tile's first row, full where every key outlives
 its last row (never on the tail tiles of Sq or Sk). Everywhere else (the mma.sync kernels,
 with attn_mask or a block mask, torch.compile, CPU) the expiry becomes an element mask
@@ -16,11 +17,13 @@ import torch.nn.functional as F
 
 from ..memo import remember_for
 from ..problem import Problem, broadcast_view
-from ..topw import with_key_expiry
+from ..topw import split_ranges, with_key_expiry
 from .block_bits_launch import kernel_bits_view
 from .masking import FULL, VISIBLE
 
 _NEVER = torch.iinfo(torch.int32).max
+# Expiry rows (int32) and key ranges (int64: first row << 32 | expiry, topw.key_ranges)
+EXPIRY_DTYPES = (torch.int32, torch.int64)
 
 
 # Bits of recent expiries (memo.remember_for): one expiry usually serves every layer's forward
@@ -45,16 +48,21 @@ def _expiry_bits(
 ) -> torch.Tensor:
     seqlen_q, seqlen_k = problem.seqlen_q, problem.seqlen_k
     m_blocks, n_blocks = -(-seqlen_q // tile_m), -(-seqlen_k // tile_n)
-    rows = key_expiry
+    expiry, born = split_ranges(key_expiry)
     pad = n_blocks * tile_n - seqlen_k
-    blocks = (*rows.shape[:2], n_blocks, tile_n)
-    longest = F.pad(rows, (0, pad), value=0).reshape(blocks).amax(-1)
-    shortest = F.pad(rows, (0, pad), value=_NEVER).reshape(blocks).amin(-1)
+    blocks = (*expiry.shape[:2], n_blocks, tile_n)
+    longest = F.pad(expiry, (0, pad), value=0).reshape(blocks).amax(-1)
+    shortest = F.pad(expiry, (0, pad), value=_NEVER).reshape(blocks).amin(-1)
     first = torch.arange(m_blocks, device=key_expiry.device) * tile_m
     last = torch.clamp(first + tile_m, max=seqlen_q) - 1
     shift = seqlen_k - seqlen_q  # rows in key positions (bottom-right aligned)
     visible = longest[:, :, None, :] > (first + shift)[:, None]
     full = visible & (shortest[:, :, None, :] > (last + shift)[:, None])
+    if born is not None:  # a tile some key's range reaches; full where every range covers it
+        earliest = F.pad(born, (0, pad), value=_NEVER).reshape(blocks).amin(-1)
+        latest = F.pad(born, (0, pad), value=0).reshape(blocks).amax(-1)
+        visible &= earliest[:, :, None, :] <= (last + shift)[:, None]
+        full &= visible & (latest[:, :, None, :] <= (first + shift)[:, None])
     if seqlen_k % tile_n:
         full[..., -1] = False
     if seqlen_q % tile_m:
@@ -70,4 +78,4 @@ def element_mask(mask: torch.Tensor | None, expiry: torch.Tensor, problem: Probl
     return broadcast_view(with_key_expiry(mask, expiry, problem.seqlen_q, group))
 
 
-__all__ = ["element_mask", "expiry_bits"]
+__all__ = ["EXPIRY_DTYPES", "element_mask", "expiry_bits"]

@@ -53,6 +53,7 @@ class FwdScalars(NamedTuple):
     mask_head_div: int = 1
     bias_head_div: int = 1
     group: int = 1
+    key_chunks: int = 1  # split-KV decode: see fwd_launch.flash_fwd
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class FlashFwd:
         mask_head_div: cutlass.Int32,
         bias_head_div: cutlass.Int32,
         group: cutlass.Int32,
+        key_chunks: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         dp, tn = self.head_dim_padded, self.tile_n
@@ -176,6 +178,7 @@ class FlashFwd:
             mask_head_div,
             bias_head_div,
             group,
+            key_chunks,
             sQ_layout,
             sKV_layout,
             tiled_mma,
@@ -203,6 +206,7 @@ class FlashFwd:
         mask_head_div: cutlass.Int32,
         bias_head_div: cutlass.Int32,
         group: cutlass.Int32,
+        key_chunks: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
@@ -213,6 +217,11 @@ class FlashFwd:
         tm, tn, dp, nthr = self.tile_m, self.tile_n, self.head_dim_padded, self.num_threads
         tidx, _, _ = cute.arch.thread_idx()
         m_block, h, b = cute.arch.block_idx()
+        b_op, first_key = operands.key_chunk(b, key_chunks, mK.shape[1])
+        mMask, mBias = (
+            operands.keys_from(t, first_key, 1 if op is None else op.vec)
+            for t, op in ((mMask, spec.mask), (mBias, spec.bias))
+        )
         hk = h // group
         seqlen_q, seqlen_k, head_dim = mQ.shape[1], mK.shape[1], mQ.shape[3]
         limits = masking.BlockLimits(
@@ -278,7 +287,7 @@ class FlashFwd:
                     smem[name], dtype, op, tm, tn, self.kv_stages, stride, nthr
                 )
                 gX, cX, row_end = operands.gmem_tiles(
-                    op, mX, b, h // head_div, limits, m_block, None
+                    op, mX, b_op, h // head_div, limits, m_block, None
                 )
                 loads[name] = operands.OperandLoads.make(
                     op, tcopy, used, gX, cX, sX, row_end, seqlen_k, tidx, walk_queries=False
@@ -305,7 +314,7 @@ class FlashFwd:
         s_words = None
         if cutlass.const_expr(spec.mask is not None):
             scan = operands.mask_scan(
-                spec.mask, mMask, b, h // mask_head_div, limits, m_block, None,
+                spec.mask, mMask, b_op, h // mask_head_div, limits, m_block, None,
                 loads["mask"].used, nthr, tidx,
             )  # fmt: skip
             s_words = tiles.smem_tensor(

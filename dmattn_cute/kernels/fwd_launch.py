@@ -77,10 +77,14 @@ def bits_spec_of(
     problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
 ) -> BlockBitsSpec | None:
     """The block-bits pre-pass a forward call runs first (the Hopper kernel with a mask), or
-    None (mask/bias: normalized 4-D views, as forward_spec_of takes them; an int32 mask is an
-    expiry, whose bits need no pre-pass)."""
+    None (mask/bias: normalized 4-D views, as forward_spec_of takes them; an integer mask is
+    an expiry or key ranges, whose bits need no pre-pass)."""
     spec = forward_spec_of(problem, mask, bias, arch)
-    if not isinstance(spec, Sm90FwdSpec) or mask is None or mask.dtype == torch.int32:
+    if (
+        not isinstance(spec, Sm90FwdSpec)
+        or mask is None
+        or mask.dtype in expiry_launch.EXPIRY_DTYPES
+    ):
         return None
     return block_bits_spec(operand_view(mask), problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
 
@@ -107,17 +111,31 @@ _PLANS_MAX = 256
 
 
 def _plan(
-    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    arch: str,
+    key_chunks: int,
 ) -> _FwdPlan:
+    # (with key chunks the vector widths hold at every chunk's start: seqlen_k is the chunk)
     mask_spec = operand_spec(mask, problem.seqlen_k)
     spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch)
-    scalars = kernel_scalars(FwdScalars, problem, mask, bias)
-    if not isinstance(spec, Sm90FwdSpec) or mask is None or mask.dtype == torch.int32:
-        # (an int32 mask is an expiry: its bits come from expiry_launch, not the pre-pass)
+    scalars = kernel_scalars(FwdScalars, problem, mask, bias)._replace(key_chunks=key_chunks)
+    if key_chunks > 1:
+        refusal = key_chunks_refusal(spec, problem, mask, bias, key_chunks)
+        if refusal is not None:
+            raise ValueError(refusal)
+    if (
+        not isinstance(spec, Sm90FwdSpec)
+        or mask is None
+        or mask.dtype in expiry_launch.EXPIRY_DTYPES
+    ):
+        # (an integer mask is an expiry or key ranges: its bits come from expiry_launch)
         return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None)
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     bits_spec = BlockBitsSpec(mask_spec, tile_m, tile_n)
-    shape = block_bits_shape(mask, problem.seqlen_q, problem.seqlen_k, tile_m, tile_n)
+    seqlen_k = problem.seqlen_k * key_chunks  # the mask's rows: every chunk
+    shape = block_bits_shape(mask, problem.seqlen_q, seqlen_k, tile_m, tile_n)
     view = kernel_bits_view(
         torch.empty(shape, dtype=torch.uint8, device="meta"), -(-problem.seqlen_q // tile_m)
     )
@@ -127,9 +145,45 @@ def _plan(
     )  # fmt: skip
 
 
-def _plan_of(problem: Problem, mask, bias, arch: str) -> _FwdPlan:
-    key = (problem, arch, hopper_kernels(arch), kernel_layout(mask), kernel_layout(bias))
-    return remember(_PLANS, key, lambda: _plan(problem, mask, bias, arch), _PLANS_MAX)
+def _plan_of(problem: Problem, mask, bias, arch: str, key_chunks: int = 1) -> _FwdPlan:
+    key = (
+        problem, arch, hopper_kernels(arch), kernel_layout(mask), kernel_layout(bias), key_chunks
+    )  # fmt: skip
+    return remember(_PLANS, key, lambda: _plan(problem, mask, bias, arch, key_chunks), _PLANS_MAX)
+
+
+def key_chunks_refusal(spec, problem: Problem, mask, bias, key_chunks: int) -> str | None:
+    """Why mask/bias rows cannot be read in `key_chunks` chunks of the forward's keys by the
+    variant `spec` (flash_fwd's key_chunks), or None: the batch entries must be a multiple of
+    the chunks, the operands [Bm, Hm, Qm, Km] with Bm in {1, batch / key_chunks} and Km in
+    {1, Sk * key_chunks}; on the Hopper kernel, the chunks whole key tiles (of the block
+    bits) and no bias tile read by TMA (its boxes do not move with the chunk)."""
+    if problem.batch % key_chunks:
+        return f"key_chunks: {key_chunks} does not divide the batch {problem.batch}"
+    rows, keys = problem.batch // key_chunks, problem.seqlen_k * key_chunks
+    for name, t in (("mask", mask), ("bias", bias)):
+        if t is not None and (t.shape[0] not in (1, rows) or t.shape[3] not in (1, keys)):
+            return (
+                f"{name}: expected [1 or {rows}, Hm, Qm, 1 or {keys}] rows for {key_chunks} key "
+                f"chunks, got {tuple(t.shape)}"
+            )
+    if isinstance(spec, Sm90FwdSpec):
+        if mask is not None and problem.seqlen_k % spec.tile.tile_n:
+            return (
+                f"key_chunks: chunks of {problem.seqlen_k} keys are not whole key tiles of "
+                f"{spec.tile.tile_n}"
+            )
+        if spec.bias is not None and spec.bias.tma_tiles:
+            return "key_chunks: a bias with a row per query is read by TMA"
+    return None
+
+
+def reads_key_chunks(problem: Problem, mask, bias, key_chunks: int, device) -> bool:
+    """Whether flash_fwd takes these mask/bias views (4-D, problem.broadcast_view) with
+    `key_chunks` on `device` (decode.packed_decode asks before it folds its chunks)."""
+    mask, bias = operand_view(mask), operand_view(bias)
+    spec = _variant(problem, mask, bias, target_arch(device))
+    return key_chunks_refusal(spec, problem, mask, bias, key_chunks) is None
 
 
 # The variant a mask view (not yet planned) would run, by problem, arch and the mask's and
@@ -156,6 +210,7 @@ def flash_fwd(
     block_mask: torch.Tensor | None = None,
     bits: torch.Tensor | None = None,
     key_expiry: torch.Tensor | None = None,
+    key_chunks: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on CUDA tensors; returns out [B, Sq, H, D], lse [B, H, Sq] fp32 and
     the backward's softmax stats [B, H, 2, Sq] fp32 (per row: the max score in accumulator
@@ -169,8 +224,14 @@ def flash_fwd(
     block bits as the pre-pass writes them for this variant (kernels/paired_bits.py), which
     then does not run; only without a block mask. key_expiry: validated top-w expiry rows
     [Be, He, Sk] int32 (dmattn_cute/topw.py), the Hopper kernel's mask operand when it is the
-    only mask, else part of the element mask (kernels/expiry_launch.py).
+    only mask, else part of the element mask (kernels/expiry_launch.py). key_chunks > 1
+    (split-KV decode): batch entry b of q/k/v holds chunk b % key_chunks of the keys of row
+    b // key_chunks, and mask/bias are that row's operands over all its keys, [Bm, Hm, Qm,
+    Km] with Km in {1, Sk * key_chunks}, read in place (see key_chunks_refusal; not with a
+    block mask, bits or an expiry).
     """
+    if key_chunks > 1 and (block_mask is not None or bits is not None or key_expiry is not None):
+        raise ValueError("key_chunks: not with a block mask, given bits or a key expiry")
     q, k, v = qkv_view(q), qkv_view(k), qkv_view(v)
     bias = operand_view(bias)
     arch = target_arch(q.device)
@@ -203,7 +264,7 @@ def flash_fwd(
             problem.batch, problem.num_heads, 2, problem.seqlen_q, dtype=torch.float32,
             device=q.device,
         )  # fmt: skip
-    plan = _plan_of(problem, mask, bias, arch)
+    plan = _plan_of(problem, mask, bias, arch, key_chunks)
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)
@@ -214,7 +275,7 @@ def flash_fwd(
                 raise ValueError(f"bits: expected {plan.bits_shape}, got {tuple(bits.shape)}")
         elif blocks is None or mask_given:
             bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
-            plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k)
+            plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k * key_chunks)
         if blocks is None:
             bits = bits.as_strided(plan.bits_view_shape, plan.bits_strides)
         else:
@@ -230,4 +291,12 @@ def flash_fwd(
     return out, lse, stats
 
 
-__all__ = ["bits_spec_of", "flash_fwd", "forward_family", "forward_spec_of", "fwd_spec"]
+__all__ = [
+    "bits_spec_of",
+    "flash_fwd",
+    "forward_family",
+    "forward_spec_of",
+    "fwd_spec",
+    "key_chunks_refusal",
+    "reads_key_chunks",
+]

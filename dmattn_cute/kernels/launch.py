@@ -18,6 +18,7 @@ _DTYPE_NAMES = {
     torch.float32: "fp32",
     torch.uint8: "u8",
     torch.int32: "i32",  # a mask of top-w expiry rows (kernels/expiry_launch.py)
+    torch.int64: "i64",  # a mask of key ranges: first row << 32 | expiry (the same)
 }
 
 Scalars = TypeVar("Scalars", bound=tuple)
@@ -108,5 +109,6 @@ def kernel_scalars(
         "mask_head_div": heads // (1 if mask is None else mask.shape[1]),
         "bias_head_div": heads // (1 if bias is None else bias.shape[1]),
         "group": heads // problem.num_heads_kv,
+        "key_chunks": 1,  # fwd_launch.flash_fwd sets its own
     }
     return kind(**{name: values[name] for name in kind._fields})

@@ -29,7 +29,8 @@ class Scores:
     has_bias/has_mask/has_softcap are compile-time; the scales are the launch's scalars.
     mask_expiry: the mask tile is one row of int32 expiry rows (dmattn_cute/topw.py): query
     row i keeps key j while i + Sk - Sq < expiry[j] (the Hopper kernels; finish then needs the
-    scores' coordinates and Sk - Sq).
+    scores' coordinates and Sk - Sq); with mask_ranges, of int64 key ranges, first row << 32 |
+    expiry: kept from i + Sk - Sq = first row on, too.
     """
 
     has_bias: cutlass.Constexpr[bool]
@@ -44,6 +45,7 @@ class Scores:
     bias_rows_shared: cutlass.Constexpr[bool] = False
     bias_after_gemm: cutlass.Constexpr[bool] = False
     mask_expiry: cutlass.Constexpr[bool] = False
+    mask_ranges: cutlass.Constexpr[bool] = False
     # With bias_after_gemm and no softcap: finish leaves the scores in log2 units,
     # S * scale_log2 + bias * log2(e) by one FMA per score (OnlineSoftmax.log2_units then
     # only subtracts the max). The bias * log2(e) of a column is rounded toward zero, as
@@ -117,9 +119,19 @@ class Scores:
             scores_mn, coord_mn, expiry_mn = (acc_mn_view(t) for t in (acc_s, t_coord, t_mask))
             if mask_full == 0:
                 for c in cutlass.range_constexpr(cute.size(scores_mn.shape[1])):
+                    if cutlass.const_expr(self.mask_ranges):
+                        word = cutlass.Int64(expiry_mn[0, c])
+                        expiry = cutlass.Int32(word & 0xFFFFFFFF)
+                        first = cutlass.Int32(word >> 32)
+                    else:
+                        expiry = cutlass.Int32(expiry_mn[0, c])
                     for r in cutlass.range_constexpr(cute.size(scores_mn.shape[0])):
-                        if coord_mn[r, 0][0] + row_offset >= cutlass.Int32(expiry_mn[0, c]):
+                        row = coord_mn[r, 0][0] + row_offset
+                        if row >= expiry:
                             scores_mn[r, c] = -cutlass.Float32.inf
+                        if cutlass.const_expr(self.mask_ranges):
+                            if row < first:
+                                scores_mn[r, c] = -cutlass.Float32.inf
         elif cutlass.const_expr(self.has_mask):
             if mask_full == 0:
                 keep = t_mask.load() != 0

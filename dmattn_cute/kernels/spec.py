@@ -22,6 +22,7 @@ DTYPES = {
     "fp32": cutlass.Float32,
     "u8": cutlass.Uint8,
     "i32": cutlass.Int32,
+    "i64": cutlass.Int64,
 }
 LOG2E = math.log2(math.e)
 

@@ -770,7 +770,8 @@ class FlashBwdSm90:
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=self.bias_rows_shared,
             bias_after_gemm=self.bias_rows_shared,
-            mask_expiry=spec.mask is not None and spec.mask.dtype == "i32",
+            mask_expiry=spec.mask is not None and spec.mask.dtype in ("i32", "i64"),
+            mask_ranges=spec.mask is not None and spec.mask.dtype == "i64",
         )  # fmt: skip
         dbias = None
         if cutlass.const_expr(spec.dbias is not None):

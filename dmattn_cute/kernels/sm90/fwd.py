@@ -190,6 +190,7 @@ class FlashFwdSm90:
         mask_head_div: cutlass.Int32,
         bias_head_div: cutlass.Int32,
         group: cutlass.Int32,
+        key_chunks: cutlass.Int32,
         stream: cuda.CUstream,
     ):
         tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
@@ -235,7 +236,7 @@ class FlashFwdSm90:
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], mK.shape[1], mLSE, mStats, mMask, mBias, mBits,
             tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
-            window_left, window_right, mask_head_div, bias_head_div, group,
+            window_left, window_right, mask_head_div, bias_head_div, group, key_chunks,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
             sBias_layout,
         ).launch(
@@ -269,6 +270,7 @@ class FlashFwdSm90:
         mask_head_div: cutlass.Int32,
         bias_head_div: cutlass.Int32,
         group: cutlass.Int32,
+        key_chunks: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -293,9 +295,16 @@ class FlashFwdSm90:
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
         n_block_min, n_block_max = limits.key_block_range(m_block)
+        # mask, bias and bits of this chunk (split-KV decode; the TMA bias never takes chunks)
+        b_op, first_key = operands.key_chunk(b, key_chunks, seqlen_k)
+        mMask, mBias = (
+            operands.keys_from(t, first_key, 1 if op is None else op.vec)
+            for t, op in ((mMask, spec.mask), (mBias, spec.bias))
+        )
         bits = None
         if cutlass.const_expr(spec.mask is not None):
-            bits = mBits[b, h // mask_head_div, m_block, None]  # stride 0 where broadcast
+            bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
+            bits = operands.keys_from(bits, first_key // tn)
 
         # ---- shared memory and pipelines ----
         smem = tiles.allocate_smem(spec.smem_buffers())
@@ -358,8 +367,8 @@ class FlashFwdSm90:
             self.produce(
                 tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
                 pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
-                n_block_max, h, b, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
-                tBias, sBias,
+                n_block_max, h, b, b_op, mask_head_div, bias_head_div, group, seqlen_k,
+                tma_bias, tBias, sBias,
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
@@ -397,11 +406,12 @@ class FlashFwdSm90:
     def produce(
         self, tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
         pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
-        n_block_max, h, b, mask_head_div, bias_head_div, group, seqlen_k, tma_bias, tBias,
-        sBias,
+        n_block_max, h, b, b_op, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
+        tBias, sBias,
     ):  # fmt: skip
         """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
-        block from the last to the first, each into the next free stage."""
+        block from the last to the first, each into the next free stage (b_op: the batch of
+        the mask/bias rows, operands.key_chunk)."""
         spec = self.spec
         tm, tn, dp = self.tile_m, self.tile_n, self.head_dim_padded
         tidx = cute.arch.thread_idx()[0]
@@ -440,7 +450,7 @@ class FlashFwdSm90:
             if cutlass.const_expr(op is not None and name in tile_smem):
                 sX, _, tcopy, used = tile_smem[name]
                 gX, cX, row_end = operands.gmem_tiles(
-                    op, mX, b, h // head_div, limits, m_block, None
+                    op, mX, b_op, h // head_div, limits, m_block, None
                 )
                 loads[name] = operands.OperandLoads.make(
                     op, tcopy, used, gX, cX, sX, row_end, seqlen_k, tidx, walk_queries=False
@@ -528,7 +538,8 @@ class FlashFwdSm90:
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=row_bias, bias_after_gemm=row_bias,
-            mask_expiry=spec.mask is not None and spec.mask.dtype == "i32",
+            mask_expiry=spec.mask is not None and spec.mask.dtype in ("i32", "i64"),
+            mask_ranges=spec.mask is not None and spec.mask.dtype == "i64",
             log2_units=log2_units, scale_log2=scale_log2,
         )  # fmt: skip
         softmax = OnlineSoftmax.create(
