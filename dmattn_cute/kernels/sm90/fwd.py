@@ -232,7 +232,8 @@ class FlashFwdSm90:
             tma_bias, tBias = cpasync.make_tiled_tma_atom(
                 load, view, cute.select(sBias_layout, mode=[0, 1]), (tm, tn), 1
             )
-        grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mQ.shape[0])
+        # batch from K: with key chunks every chunk of a row is a batch entry, Q one per row
+        grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mK.shape[0])
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], mK.shape[1], mLSE, mStats, mMask, mBias, mBits,
             tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
@@ -411,14 +412,14 @@ class FlashFwdSm90:
     ):  # fmt: skip
         """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
         block from the last to the first, each into the next free stage (b_op: the batch of
-        the mask/bias rows, operands.key_chunk)."""
+        Q and the mask/bias rows, operands.key_chunk)."""
         spec = self.spec
         tm, tn, dp = self.tile_m, self.tile_n, self.head_dim_padded
         tidx = cute.arch.thread_idx()[0]
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         hk = h // group
         # gmem -> smem TMA partitions: one box per tile (stage index / key block last)
-        gQ = cute.local_tile(tQ[None, None, h, b], (tm, dp), (m_block, 0))
+        gQ = cute.local_tile(tQ[None, None, h, b_op], (tm, dp), (m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
