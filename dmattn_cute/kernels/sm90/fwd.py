@@ -241,7 +241,8 @@ class FlashFwdSm90:
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
             sBias_layout,
         ).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+            use_pdl=True,
         )  # fmt: skip
 
     @cute.kernel
@@ -349,6 +350,12 @@ class FlashFwdSm90:
             )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every mbarrier is initialized before any thread uses one
+        # Launched as a dependent (programmatic dependent launch): the kernel before this one
+        # in the stream (e.g. the block-bits pre-pass) may still run; no global memory is
+        # touched before it has finished. The next dependent launch (the split-KV combine)
+        # may start now: it waits for this grid the same way.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
