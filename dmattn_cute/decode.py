@@ -10,6 +10,7 @@ more (kernels/combine.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -145,17 +146,22 @@ def _forward_chunks(
     q, k, v, mask, bias, splits: int, fold: str, softmax_scale, softcap
 ) -> tuple[Tensor, Tensor]:
     """out, lse of the one forward over the folded chunks. With the "batch" fold on eager
-    CUDA the kernels read the mask/bias rows in place, chunk by chunk (fwd_launch.flash_fwd's
-    key_chunks), where they can; else the rows are copied into chunk order (chunk_operands)."""
+    CUDA the kernels read the packed queries and the mask/bias rows in place, chunk by chunk
+    (fwd_launch.flash_fwd's key_chunks), where they can; else the queries and rows are
+    copied into chunk order (chunk_operands)."""
     if fold == "batch" and eager_cuda(q):
         # stride 0 on size-1 dims, as make_problem views the operands (e.g. the kv-cache
         # API's lengths rows [B, 1, 1, Sk] come from indexing with None)
         mask, bias = broadcast_view(mask), broadcast_view(bias)
-        queries, keys, values, _, _ = chunk_operands(q, k, v, None, None, splits, fold)
+        queries = _packed_queries(q, k.shape[2])
         problem, _, _ = make_problem(
-            queries, keys, values, None, None, softmax_scale, False, softcap, (-1, -1), False
+            queries, k, v, None, None, softmax_scale, False, softcap, (-1, -1), False
         )
+        # one batch entry per chunk of a row's keys
+        batch, chunk = problem.batch * splits, problem.seqlen_k // splits
+        problem = dataclasses.replace(problem, batch=batch, seqlen_k=chunk)
         if reads_key_chunks(problem, mask, bias, splits, q.device):
+            keys, values = (t.view(batch, chunk, *t.shape[2:]) for t in (k, v))
             out, lse, _ = flash_fwd(problem, queries, keys, values, mask, bias, key_chunks=splits)
             return out, lse
     return _forward(*chunk_operands(q, k, v, mask, bias, splits, fold), softmax_scale, softcap)

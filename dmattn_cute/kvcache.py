@@ -109,7 +109,8 @@ def flash_dmattn_with_kvcache(
     with torch.no_grad():
         if seqlen_new > 0:
             # append: cache row rows[b], positions lengths[b] .. lengths[b] + Snew - 1
-            slots = lengths[:, None] + torch.arange(seqlen_new, device=q.device)
+            slots = _length_rows(lengths, batch, q.device)[:, None]
+            slots = slots + torch.arange(seqlen_new, device=q.device)
             if pages is not None:  # position p: page pages[b, p // page_size], p % page_size
                 page_size = k_cache.shape[1]
                 cache_index, slots = pages.gather(1, slots // page_size), slots % page_size
@@ -131,7 +132,8 @@ def flash_dmattn_with_kvcache(
         # causal / window limits are the ones asked for, and one query per row limits nothing
         # but a left window. Otherwise the lengths and limits become a mask.
         if not full or (seqlen_q == 1 and left >= 0):
-            visible = _visible(lengths + seqlen_new, seqlen_q, seqlen_cache, is_causal, left, right)
+            ends = _length_rows(lengths, batch, q.device) + seqlen_new
+            visible = _visible(ends, seqlen_q, seqlen_cache, is_causal, left, right)
             mask = visible if mask is None else visible & mask
             causal, window = False, (-1, -1)
         bias = None if attn_bias is None else broadcast_view(attn_bias)
@@ -224,15 +226,15 @@ def _cache_lengths(
     seqlen_cache: int,
     seqlen_new: int,
     device: torch.device,
-) -> tuple[Tensor, bool]:
-    """cache_seqlens as a long tensor [B], each length with room for the Snew new keys (a
-    tensor's values are read to check them: one device sync per call), and whether every row
-    is known on the host to fill the cache once the new keys are in (an int length)."""
+) -> tuple[int | Tensor, bool]:
+    """cache_seqlens checked, each length with room for the Snew new keys (a tensor's values
+    are read to check them: one device sync per call): an int as given, a tensor as a long
+    tensor [B]; and whether every row is known on the host to fill the cache once the new
+    keys are in (an int length)."""
     if cache_seqlens is None:
         cache_seqlens = seqlen_cache - seqlen_new
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        low = high = cache_seqlens  # known on the host: no sync
-        lengths = torch.full((batch,), cache_seqlens, dtype=torch.long, device=device)
+        low = high = lengths = cache_seqlens  # known on the host: no sync
     elif isinstance(cache_seqlens, Tensor) and not cache_seqlens.dtype.is_floating_point:
         if cache_seqlens.shape != (batch,):
             raise ValueError(
@@ -249,6 +251,14 @@ def _cache_lengths(
             f"{seqlen_cache - seqlen_new}], got {low}..{high}"
         )
     return lengths, isinstance(cache_seqlens, int) and low + seqlen_new == seqlen_cache
+
+
+def _length_rows(lengths: int | Tensor, batch: int, device: torch.device) -> Tensor:
+    """Cache lengths as a long tensor [B]: an int (one length for all rows) made into one
+    where it is needed (a full cache read without new keys needs none: no launch)."""
+    if isinstance(lengths, Tensor):
+        return lengths
+    return torch.full((batch,), lengths, dtype=torch.long, device=device)
 
 
 def _visible(

@@ -47,9 +47,9 @@ def test_packed_split_decode_matches_reference(device, splits, layout, mask_head
 @pytest.mark.parametrize("bias_shape", [(1, 2, 1, 2048), (3, 2, 1, 1), None])
 def test_split_decode_reads_the_operand_rows_in_place(monkeypatch, mask_heads, bias_shape):
     """Chunks of whole key tiles (2048 keys in 4 chunks): the one forward gets the caller's
-    mask/bias rows themselves (the same storage, no copies in chunk order) with key_chunks,
-    and the result is the reference's, with whole chunks and a whole row without a visible
-    key."""
+    queries and mask/bias rows themselves (the same storage, no copies in chunk order) with
+    key_chunks, and the result is the reference's, with whole chunks and a whole row without
+    a visible key."""
     from dmattn_cute import decode
     from dmattn_cute.problem import broadcast_view
 
@@ -71,6 +71,8 @@ def test_split_decode_reads_the_operand_rows_in_place(monkeypatch, mask_heads, b
     out, lse = packed_decode(q, k, v, mask4, bias4, None, 0.0, 4)
     ((args, kwargs),) = calls
     assert kwargs == {"key_chunks": 4}
+    queries = args[1]  # q's storage: one entry per row, read by every chunk of the row
+    assert queries.shape == (b, h // hkv, hkv, d) and queries.data_ptr() == q.data_ptr()
     for given, passed in zip((mask4, bias4), args[4:6], strict=True):
         if given is None:
             assert passed is None

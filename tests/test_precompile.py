@@ -149,6 +149,8 @@ def test_decode_steps_launch_listed_variants(launches, monkeypatch) -> None:
         assert launched and launched <= listed, str(pattern)
         forward = [args for spec, args in launches["calls"] if "Fwd" in type(spec).__name__]
         assert forward[0][-1] > 1, str(pattern)  # key_chunks: the rows read in place
+        # and the queries: a view of q (one entry per row, not per chunk)
+        assert forward[0][0].shape[0] == batch and forward[0][0].data_ptr() == q.data_ptr()
 
 
 def test_default_variants_cover_every_pattern_and_kernel() -> None:

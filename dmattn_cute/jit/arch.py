@@ -111,6 +111,13 @@ def compile_options(arch: str, extra: str = "") -> str:
     return f"--gpu-arch {check_arch(arch)} --enable-tvm-ffi {extra}".strip()
 
 
+def dependent_launch(arch: str) -> bool:
+    """Whether kernels compiled for `arch` chain by programmatic dependent launch (PDL: the
+    next kernel in the stream starts while this one finishes, and waits in griddepcontrol
+    before touching memory): sm_90a, where the griddepcontrol instructions exist."""
+    return check_arch(arch) == "sm_90a"
+
+
 def hopper_kernels(arch: str) -> bool:
     """Whether calls compiled for `arch` run the Hopper (wgmma) kernel families: on sm_90a,
     unless ``$DMATTN_CUTE_KERNELS`` is ``mma_sync``."""

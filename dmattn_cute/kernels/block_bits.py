@@ -18,7 +18,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import cute
 
-from ..jit.arch import compile_options
+from ..jit.arch import compile_options, dependent_launch
 from . import masking, operands, tiles
 from .config import SmemBuffer
 from .spec import OperandSpec, env_stream, fake_tensor
@@ -79,18 +79,22 @@ class BlockBitsSpec:
     def compile(self, arch: str, extra_options: str = ""):
         """cute.compile of this variant for `arch` (no GPU needed)."""
         return cute.compile(
-            BlockBits(self), *self.example_args(), options=compile_options(arch, extra_options)
-        )
+            BlockBits(self, dependent_launch(arch)), *self.example_args(),
+            options=compile_options(arch, extra_options),
+        )  # fmt: skip
 
 
 class BlockBits:
     """One CTA per (tiles_per_cta key blocks, query block, mask batch x head): each group of
     threads_per_tile threads loads its tile once (gmem -> rmem, predicated vectors of up to 16
     bytes as 32-bit words, the partition of the forward's mask scan), ORs and ANDs it per
-    thread, combines the group by warp ballots and writes one byte (rmem -> gmem)."""
+    thread, combines the group by warp ballots and writes one byte (rmem -> gmem). On Hopper
+    (`dependent`) the forward after it may launch at once: it waits for these bits in
+    griddepcontrol before reading them."""
 
-    def __init__(self, spec: BlockBitsSpec) -> None:
+    def __init__(self, spec: BlockBitsSpec, dependent: bool) -> None:
         self.spec = spec
+        self.dependent = dependent
 
     @cute.jit
     def __call__(
@@ -118,6 +122,8 @@ class BlockBits:
         seqlen_q: cutlass.Int32,
         seqlen_k: cutlass.Int32,
     ):
+        if cutlass.const_expr(self.dependent):
+            cute.arch.griddepcontrol_launch_dependents()
         spec = self.spec
         used, per_cta = spec.threads_per_tile, spec.tiles_per_cta
         tidx, _, _ = cute.arch.thread_idx()

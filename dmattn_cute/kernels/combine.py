@@ -16,7 +16,7 @@ import cutlass
 from cutlass import Float32, cute
 from cutlass.base_dsl import JitCompiledFunction
 
-from ..jit.arch import compile_options
+from ..jit.arch import compile_options, dependent_launch
 from .config import padded_head_dim
 from .softmax import LN2
 from .spec import DTYPES, LOG2E, env_stream, fake_tensor
@@ -61,18 +61,22 @@ class CombineSpec:
     def compile(self, arch: str, options: str = "") -> JitCompiledFunction:
         """cute.compile of this variant for `arch` (no GPU needed)."""
         return cute.compile(
-            Combine(self), *self.example_args(), options=compile_options(arch, options)
-        )
+            Combine(self, dependent_launch(arch)), *self.example_args(),
+            options=compile_options(arch, options),
+        )  # fmt: skip
 
 
 class Combine:
     """One warp per row (b, kv head, group member g): the lanes take the chunks' LSEs 32 at a
     time for the max and the sum (warp reductions), then walk the chunks together, each lane
     adding its columns of the weighted part (lanes read consecutive columns: coalesced), and
-    store the row (gmem -> rmem -> gmem; no shared memory)."""
+    store the row (gmem -> rmem -> gmem; no shared memory). Launched as a dependent of the
+    forward before it (`dependent`: on Hopper), it starts while that one finishes and waits
+    for it before reading the parts."""
 
-    def __init__(self, spec: CombineSpec) -> None:
+    def __init__(self, spec: CombineSpec, dependent: bool) -> None:
         self.spec = spec
+        self.dependent = dependent
 
     @cute.jit
     def __call__(
@@ -88,12 +92,15 @@ class Combine:
             grid=(cute.ceil_div(rows, ROWS_PER_CTA), 1, 1),
             block=[NUM_THREADS, 1, 1],
             stream=stream,
+            use_pdl=self.dependent,
         )
 
     @cute.kernel
     def kernel(
         self, mParts: cute.Tensor, mPartLse: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor
     ):
+        if cutlass.const_expr(self.dependent):
+            cute.arch.griddepcontrol_wait()  # the forward's parts are complete and visible
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -122,7 +129,8 @@ class Combine:
             acc = cute.make_rmem_tensor(cols, Float32)
             acc.fill(0.0)
             if total > 0.0:
-                for s in cutlass.range(splits):
+                # unrolled: the loads of several chunks in flight at once, not one latency each
+                for s in cutlass.range(splits, unroll=8):
                     weight = cute.math.exp2((mPartLse[b, s, h, g] - lse) * LOG2E, fastmath=True)
                     for i in cutlass.range_constexpr(cols):
                         d = lane + 32 * i

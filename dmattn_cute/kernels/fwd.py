@@ -159,7 +159,8 @@ class FlashFwd:
         )
         copy_qkv = tiles.qkv_copy(self.dtype, dp, self.num_threads)
         copy_o = tiles.qkv_copy(self.dtype, dp, self.num_threads, store=True)
-        grid = (cute.ceil_div(mQ.shape[1], self.tile_m), mQ.shape[2], mQ.shape[0])
+        # batch from K: with key chunks every chunk of a row is a batch entry, Q one per row
+        grid = (cute.ceil_div(mQ.shape[1], self.tile_m), mQ.shape[2], mK.shape[0])
         self.kernel(
             mQ,
             mK,
@@ -240,7 +241,7 @@ class FlashFwd:
         )
 
         # ---- gmem tiles of this CTA ----
-        gQ = cute.local_tile(mQ[b, None, h, None], (tm, dp), (m_block, 0))
+        gQ = cute.local_tile(mQ[b_op, None, h, None], (tm, dp), (m_block, 0))
         gK = cute.local_tile(mK[b, None, hk, None], (tn, dp), (None, 0))
         gV = cute.local_tile(mV[b, None, hk, None], (tn, dp), (None, 0))
         cQ = cute.local_tile(

@@ -225,13 +225,19 @@ def flash_fwd(
     then does not run; only without a block mask. key_expiry: validated top-w expiry rows
     [Be, He, Sk] int32 (dmattn_cute/topw.py), the Hopper kernel's mask operand when it is the
     only mask, else part of the element mask (kernels/expiry_launch.py). key_chunks > 1
-    (split-KV decode): batch entry b of q/k/v holds chunk b % key_chunks of the keys of row
-    b // key_chunks, and mask/bias are that row's operands over all its keys, [Bm, Hm, Qm,
-    Km] with Km in {1, Sk * key_chunks}, read in place (see key_chunks_refusal; not with a
-    block mask, bits or an expiry).
+    (split-KV decode): batch entry b of k/v (and of out, lse, stats: problem.batch entries)
+    holds chunk b % key_chunks of the keys of row b // key_chunks; q [B / key_chunks, Sq, H,
+    D] and mask/bias are that row's, the operands over all its keys, [Bm, Hm, Qm, Km] with
+    Km in {1, Sk * key_chunks}, all read in place (see key_chunks_refusal; not with a block
+    mask, bits or an expiry).
     """
     if key_chunks > 1 and (block_mask is not None or bits is not None or key_expiry is not None):
         raise ValueError("key_chunks: not with a block mask, given bits or a key expiry")
+    if q.shape[0] * key_chunks != problem.batch:
+        raise ValueError(
+            f"q: expected {problem.batch // key_chunks} rows for {problem.batch} batch entries "
+            f"in {key_chunks} key chunks, got {q.shape[0]}"
+        )
     q, k, v = qkv_view(q), qkv_view(k), qkv_view(v)
     bias = operand_view(bias)
     arch = target_arch(q.device)
@@ -254,7 +260,7 @@ def flash_fwd(
             mask = element_mask(mask, block_mask, problem)
     mask = operand_view(mask)
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty((problem.batch, *q.shape[1:]), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty(
             problem.batch, problem.num_heads, problem.seqlen_q, dtype=torch.float32, device=q.device

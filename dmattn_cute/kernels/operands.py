@@ -23,10 +23,11 @@ from .spec import dtype_bytes
 
 
 def key_chunk(b, key_chunks, seqlen_k):
-    """Split-KV decode (fwd_launch.flash_fwd's key_chunks): the forward's batch entry b is
-    chunk b % key_chunks of the mask/bias rows of batch b // key_chunks, its keys from
-    that chunk times seqlen_k (the forward's key length) on. Returns (the operands' batch
-    index, the chunk's first key); key_chunks 1: (b, 0)."""
+    """Split-KV decode (fwd_launch.flash_fwd's key_chunks): the forward's batch entry b
+    (of K, V and the output) is chunk b % key_chunks of the query and mask/bias rows of
+    batch b // key_chunks, its keys from that chunk times seqlen_k (the forward's key
+    length) on. Returns (Q's and the operands' batch index, the chunk's first key);
+    key_chunks 1: (b, 0)."""
     b_op = b // key_chunks
     return b_op, (b - b_op * key_chunks) * seqlen_k
 

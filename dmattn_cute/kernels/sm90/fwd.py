@@ -232,7 +232,8 @@ class FlashFwdSm90:
             tma_bias, tBias = cpasync.make_tiled_tma_atom(
                 load, view, cute.select(sBias_layout, mode=[0, 1]), (tm, tn), 1
             )
-        grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mQ.shape[0])
+        # batch from K: with key chunks every chunk of a row is a batch entry, Q one per row
+        grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mK.shape[0])
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], mK.shape[1], mLSE, mStats, mMask, mBias, mBits,
             tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
@@ -240,7 +241,8 @@ class FlashFwdSm90:
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
             sBias_layout,
         ).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+            use_pdl=True,
         )  # fmt: skip
 
     @cute.kernel
@@ -348,6 +350,12 @@ class FlashFwdSm90:
             )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every mbarrier is initialized before any thread uses one
+        # Launched as a dependent (programmatic dependent launch): the kernel before this one
+        # in the stream (e.g. the block-bits pre-pass) may still run; no global memory is
+        # touched before it has finished. The next dependent launch (the split-KV combine)
+        # may start now: it waits for this grid the same way.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
@@ -411,14 +419,14 @@ class FlashFwdSm90:
     ):  # fmt: skip
         """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
         block from the last to the first, each into the next free stage (b_op: the batch of
-        the mask/bias rows, operands.key_chunk)."""
+        Q and the mask/bias rows, operands.key_chunk)."""
         spec = self.spec
         tm, tn, dp = self.tile_m, self.tile_n, self.head_dim_padded
         tidx = cute.arch.thread_idx()[0]
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         hk = h // group
         # gmem -> smem TMA partitions: one box per tile (stage index / key block last)
-        gQ = cute.local_tile(tQ[None, None, h, b], (tm, dp), (m_block, 0))
+        gQ = cute.local_tile(tQ[None, None, h, b_op], (tm, dp), (m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
