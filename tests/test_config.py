@@ -87,9 +87,10 @@ def test_hopper_forward_tiles() -> None:
     # mask and bias stages narrow the key block until they fit
     assert tile("sm_90a", 128, 2, SmemOperand(1, False), SmemOperand(2, False)).tile_n < 128
     assert tile("sm_90a", 256, 2, None, None).tile_n == 80
-    # short queries (decode): key tiles of at most 64
+    # short queries (decode): key tiles of at most 64; one consumer up to head dim 128
     for head_dim in (64, 128, 256):
-        assert tile("sm_90a", head_dim, 2, SmemOperand(1, False), None, True).tile_n == 64
+        short = tile("sm_90a", head_dim, 2, SmemOperand(1, False), None, True)
+        assert (short.tile_n, short.tile_m) == (64, 64 if head_dim <= 128 else 128)
 
 
 def test_hopper_tile_search_fails_at_spec_time(monkeypatch: pytest.MonkeyPatch) -> None:

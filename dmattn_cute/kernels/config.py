@@ -278,14 +278,19 @@ def sm90_fwd_tile(
     short_queries: bool = False,
 ) -> Sm90FwdTile:
     """The Hopper forward tiling: 192 query rows up to head dim 64 without mask/bias, else
-    128; two stages; the widest key block that fits (ValueError when none does), at most
-    SHORT_QUERY_TILE_N keys for short queries."""
+    128, and 64 (one consumer) for short queries up to head dim 128; two stages; the widest
+    key block that fits (ValueError when none does), at most SHORT_QUERY_TILE_N keys for
+    short queries."""
     tile_n = _SM90_FWD_TILE_N[head_dim_padded]
     if short_queries:
         tile_n = min(tile_n, SHORT_QUERY_TILE_N)
     # three consumers for small head dims without mask/bias tiles: their accumulators leave
     # registers to spare (reading mask/bias tiles in the accumulator layout does not)
     tile_m = 192 if head_dim_padded <= 64 and mask is None and bias is None else 128
+    if short_queries and head_dim_padded <= 128:
+        # one consumer warpgroup: two CTAs share an SM (sm90/fwd.py); wider heads need more
+        # than the 128 registers a thread that leaves at launch
+        tile_m = SHORT_QUERY_ROWS
     while tile_n >= 32:
         tile = Sm90FwdTile(tile_m, tile_n, 2)
         buffers = sm90_fwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)

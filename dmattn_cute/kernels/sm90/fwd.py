@@ -72,6 +72,9 @@ _TURN_BARRIER = 2  # 2 + w: consumer warpgroup w may issue its GEMMs
 # Registers per thread (producer, consumer) after the producer gives its share to the
 # consumers (setmaxnreg), by (consumer warpgroups, the producer also copies mask/bias tiles).
 _REGISTERS = {
+    # one consumer: two CTAs per SM, 128 registers a thread at launch
+    (1, False): (24, 232),
+    (1, True): (32, 224),
     (2, False): (24, 240),
     (2, True): (40, 232),
     (3, False): (32, 160),
@@ -165,9 +168,16 @@ class FlashFwdSm90:
         self.bias_first = (
             spec.bias is not None and not spec.has_softcap and not spec.bias.row_broadcast
         )
-        self.take_turns = spec.head_dim_padded <= 128
+        self.take_turns = spec.head_dim_padded <= 128 and spec.tile.consumer_warpgroups > 1
         self.consumer_wgs = spec.tile.consumer_warpgroups
         self.registers = _REGISTERS[(self.consumer_wgs, self.has_tiles)]
+        # one consumer: two CTAs per SM (registers and the whole shared memory carveout, in
+        # percent; given, so that no device is asked at compile time)
+        self.occupancy = (
+            {"min_blocks_per_mp": 2, "preferred_smem_carveout": 100}
+            if self.consumer_wgs == 1
+            else {"min_blocks_per_mp": 1}
+        )
 
     @cute.jit
     def __call__(
@@ -241,7 +251,7 @@ class FlashFwdSm90:
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
             sBias_layout,
         ).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, **self.occupancy,
             use_pdl=True,
         )  # fmt: skip
 
