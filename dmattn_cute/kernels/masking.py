@@ -203,3 +203,85 @@ def next_set_bit(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Int32:
     above = word >> (j + 1)
     lowest = above & (-above)
     return SCAN_BLOCKS if above == 0 else j + 1 + cutlass.Int32(cute.arch.popc(lowest - 1))
+
+
+# Split-KV chunks: key blocks a lane of the balancing scan covers per step (bits of one word).
+CHUNK_SCAN_BLOCKS = 16
+
+
+@cute.jit
+def chunk_block_range(
+    bits: cute.Tensor | None,
+    n_block_min: cutlass.Int32,
+    n_block_max: cutlass.Int32,
+    chunk: cutlass.Int32,
+    chunks: cutlass.Int32,
+):
+    """[lo, hi) of chunk `chunk` of `chunks` that split [n_block_min, n_block_max) for a
+    split-KV forward (fwd_launch.flash_fwd's key_chunks). With the block bits of the query
+    block (bits[n_block], a byte per key block) each chunk holds as many visible blocks as
+    the others (within one): a row's CTAs then read about the same K/V bytes, where equal key
+    ranges of a random mask give the busiest one ~1.7x the mean at 16 visible blocks each.
+    Without bits, equal numbers of blocks. Every lane of the calling warp computes the same
+    range (no shared memory, no barrier: each warp of a CTA calls it)."""
+    lo, hi = n_block_min, n_block_max
+    if chunks > 1:
+        n = n_block_max - n_block_min
+        if cutlass.const_expr(bits is None):
+            lo = n_block_min + n * chunk // chunks
+            hi = n_block_min + n * (chunk + 1) // chunks
+        else:
+            lane = cute.arch.lane_idx()
+            step = 32 * CHUNK_SCAN_BLOCKS
+            steps = cute.ceil_div(n, step)
+            # pass 1: the visible blocks of the range
+            count = cutlass.Int32(0)
+            for s in cutlass.range(steps, unroll=2):
+                first = n_block_min + s * step + lane * CHUNK_SCAN_BLOCKS
+                count += cute.arch.popc(_visible_word(bits, first, n_block_max))
+            for i in cutlass.range_constexpr(5):
+                count += cute.arch.shuffle_sync_bfly(count, offset=16 >> i)
+            # pass 2: the blocks of ranks count * chunk / chunks and count * (chunk + 1) /
+            # chunks (rank `count`: n_block_max), found by the lane whose word holds them
+            rank_lo = count * chunk // chunks
+            rank_hi = count * (chunk + 1) // chunks
+            lo, hi = n_block_max, n_block_max
+            seen = cutlass.Int32(0)  # visible blocks before this step
+            for s in cutlass.range(steps, unroll=2):
+                first = n_block_min + s * step + lane * CHUNK_SCAN_BLOCKS
+                word = _visible_word(bits, first, n_block_max)
+                own = cute.arch.popc(word)
+                upto = own  # inclusive prefix sum over the lanes
+                for i in cutlass.range_constexpr(5):
+                    below = cute.arch.shuffle_sync_up(upto, offset=1 << i)
+                    if lane >= (1 << i):
+                        upto += below
+                start = seen + upto - own  # rank of this lane's first visible block
+                if (start <= rank_lo) & (rank_lo < start + own):
+                    lo = first + nth_set_bit(word, rank_lo - start)
+                if (start <= rank_hi) & (rank_hi < start + own):
+                    hi = first + nth_set_bit(word, rank_hi - start)
+                seen += cute.arch.shuffle_sync(upto, 31)
+            for i in cutlass.range_constexpr(5):
+                lo = cutlass.min(lo, cute.arch.shuffle_sync_bfly(lo, offset=16 >> i))
+                hi = cutlass.min(hi, cute.arch.shuffle_sync_bfly(hi, offset=16 >> i))
+    return lo, hi
+
+
+@cute.jit
+def _visible_word(bits: cute.Tensor, first: cutlass.Int32, end: cutlass.Int32) -> cutlass.Int32:
+    """Bit j: key block first + j (< end) is visible, for CHUNK_SCAN_BLOCKS blocks."""
+    word = cutlass.Int32(0)
+    for j in cutlass.range_constexpr(CHUNK_SCAN_BLOCKS):
+        if first + j < end:
+            if (cutlass.Int32(bits[first + j]) & VISIBLE) != 0:
+                word |= 1 << j
+    return word
+
+
+@cute.jit
+def nth_set_bit(word: cutlass.Int32, n: cutlass.Int32) -> cutlass.Int32:
+    """Position of set bit number n (from 0, lowest first) of word, which has more than n."""
+    for _ in cutlass.range(n, unroll=1):
+        word &= word - 1  # clear the lowest set bit
+    return cutlass.Int32(cute.arch.popc((word & -word) - 1))
