@@ -205,8 +205,8 @@ def next_set_bit(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Int32:
     return SCAN_BLOCKS if above == 0 else j + 1 + cutlass.Int32(cute.arch.popc(lowest - 1))
 
 
-# Split-KV chunks: key blocks a lane of the balancing scan covers per step (bits of one word).
-CHUNK_SCAN_BLOCKS = 16
+# Split-KV chunks: block-bit loads a lane of the balancing scan keeps in flight.
+CHUNK_SCAN_UNROLL = 16
 
 
 @cute.jit
@@ -231,37 +231,30 @@ def chunk_block_range(
             lo = n_block_min + n * chunk // chunks
             hi = n_block_min + n * (chunk + 1) // chunks
         else:
+            # each lane counts the visible blocks of its own `seg` consecutive blocks; an
+            # inclusive prefix sum over the lanes gives every lane the ranks its blocks hold
             lane = cute.arch.lane_idx()
-            step = 32 * CHUNK_SCAN_BLOCKS
-            steps = cute.ceil_div(n, step)
-            # pass 1: the visible blocks of the range
-            count = cutlass.Int32(0)
-            for s in cutlass.range(steps, unroll=2):
-                first = n_block_min + s * step + lane * CHUNK_SCAN_BLOCKS
-                count += cute.arch.popc(_visible_word(bits, first, n_block_max))
+            seg = cute.ceil_div(n, 32)
+            first = n_block_min + lane * seg
+            own = cutlass.Int32(0)
+            for j in cutlass.range(seg, unroll=CHUNK_SCAN_UNROLL):
+                own += _visible(bits, first + j, n_block_max)
+            upto = own
             for i in cutlass.range_constexpr(5):
-                count += cute.arch.shuffle_sync_bfly(count, offset=16 >> i)
-            # pass 2: the blocks of ranks count * chunk / chunks and count * (chunk + 1) /
-            # chunks (rank `count`: n_block_max), found by the lane whose word holds them
-            rank_lo = count * chunk // chunks
-            rank_hi = count * (chunk + 1) // chunks
+                below = cute.arch.shuffle_sync_up(upto, offset=1 << i)
+                if lane >= (1 << i):
+                    upto += below
+            total = cute.arch.shuffle_sync(upto, 31)
+            # the chunk: from the block of rank total * chunk / chunks to the one of rank
+            # total * (chunk + 1) / chunks (rank `total`: n_block_max), each found by the lane
+            # whose blocks hold it
             lo, hi = n_block_max, n_block_max
-            seen = cutlass.Int32(0)  # visible blocks before this step
-            for s in cutlass.range(steps, unroll=2):
-                first = n_block_min + s * step + lane * CHUNK_SCAN_BLOCKS
-                word = _visible_word(bits, first, n_block_max)
-                own = cute.arch.popc(word)
-                upto = own  # inclusive prefix sum over the lanes
-                for i in cutlass.range_constexpr(5):
-                    below = cute.arch.shuffle_sync_up(upto, offset=1 << i)
-                    if lane >= (1 << i):
-                        upto += below
-                start = seen + upto - own  # rank of this lane's first visible block
-                if (start <= rank_lo) & (rank_lo < start + own):
-                    lo = first + nth_set_bit(word, rank_lo - start)
-                if (start <= rank_hi) & (rank_hi < start + own):
-                    hi = first + nth_set_bit(word, rank_hi - start)
-                seen += cute.arch.shuffle_sync(upto, 31)
+            rank_lo = total * chunk // chunks
+            rank_hi = total * (chunk + 1) // chunks
+            if (upto - own <= rank_lo) & (rank_lo < upto):
+                lo = _nth_visible(bits, first, seg, n_block_max, rank_lo - (upto - own))
+            if (upto - own <= rank_hi) & (rank_hi < upto):
+                hi = _nth_visible(bits, first, seg, n_block_max, rank_hi - (upto - own))
             for i in cutlass.range_constexpr(5):
                 lo = cutlass.min(lo, cute.arch.shuffle_sync_bfly(lo, offset=16 >> i))
                 hi = cutlass.min(hi, cute.arch.shuffle_sync_bfly(hi, offset=16 >> i))
@@ -269,19 +262,23 @@ def chunk_block_range(
 
 
 @cute.jit
-def _visible_word(bits: cute.Tensor, first: cutlass.Int32, end: cutlass.Int32) -> cutlass.Int32:
-    """Bit j: key block first + j (< end) is visible, for CHUNK_SCAN_BLOCKS blocks."""
-    word = cutlass.Int32(0)
-    for j in cutlass.range_constexpr(CHUNK_SCAN_BLOCKS):
-        if first + j < end:
-            if (cutlass.Int32(bits[first + j]) & VISIBLE) != 0:
-                word |= 1 << j
-    return word
+def _visible(bits: cute.Tensor, n_block: cutlass.Int32, end: cutlass.Int32) -> cutlass.Int32:
+    """1 if key block n_block (< end) is visible, else 0. The load is not predicated (its
+    index is clamped instead), so that a loop's loads can all be in flight at once."""
+    byte = cutlass.Int32(bits[cutlass.min(n_block, end - 1)])
+    return byte & VISIBLE & ((n_block - end) >> 31)  # (n_block - end) >> 31: -1 below end
 
 
 @cute.jit
-def nth_set_bit(word: cutlass.Int32, n: cutlass.Int32) -> cutlass.Int32:
-    """Position of set bit number n (from 0, lowest first) of word, which has more than n."""
-    for _ in cutlass.range(n, unroll=1):
-        word &= word - 1  # clear the lowest set bit
-    return cutlass.Int32(cute.arch.popc((word & -word) - 1))
+def _nth_visible(
+    bits: cute.Tensor, first: cutlass.Int32, seg: cutlass.Int32, end: cutlass.Int32, nth
+) -> cutlass.Int32:
+    """The visible block number nth (from 0) of the blocks [first, first + seg), which hold
+    more than nth."""
+    found = end
+    count = cutlass.Int32(0)
+    for j in cutlass.range(seg, unroll=CHUNK_SCAN_UNROLL):
+        count += _visible(bits, first + j, end)
+        if (count == nth + 1) & (found == end):
+            found = first + j
+    return found
