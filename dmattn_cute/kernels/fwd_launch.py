@@ -209,8 +209,9 @@ def flash_fwd(
     (split-KV decode): out, lse and stats have problem.batch = B * key_chunks entries, entry
     b for chunk b % key_chunks of the key blocks of row b // key_chunks of q, k, v [B, ...]
     and mask/bias [1 or B, Hm, Qm, Km] (problem.seqlen_k: all of a row's keys); the chunks
-    hold as many visible blocks each where the Hopper kernel has block bits, else as many
-    blocks (masking.chunk_block_range). Not with a block mask, bits or an expiry.
+    hold as many visible blocks each where the Hopper kernel has block bits and the row is
+    short enough, else as many blocks (masking.chunk_block_range). Not with a block mask,
+    bits or an expiry.
     """
     if key_chunks > 1 and (block_mask is not None or bits is not None or key_expiry is not None):
         raise ValueError("key_chunks: not with a block mask, given bits or a key expiry")
