@@ -3,10 +3,12 @@ packed as rows (PackGQA: K and V are read once per kv head, not once per query h
 keys split into chunks run side by side (split-KV: enough CTAs to read the cache at the
 GPU's bandwidth), their partial outputs merged by their log-sum-exps.
 
-Used by flash_dmattn_with_kvcache for Sq = 1. On CUDA the chunks run as one forward launch
-where the keys divide evenly (else one per chunk), reading the mask/bias rows in place
-where the chunks are whole key tiles (else copied into chunk order), and the merge is one
-more (kernels/combine.py)."""
+Used by flash_dmattn_with_kvcache for Sq = 1. On eager CUDA the chunks run as one forward
+launch that reads q, k, v and the mask/bias rows in place, each chunk a range of a row's key
+blocks (of as many visible blocks as the others where the row is short enough;
+fwd_launch.flash_fwd's key_chunks), and the merge is one more (kernels/combine.py). Elsewhere (torch.compile, CPU) the chunks are
+equal key ranges: one forward over views where the keys divide evenly (chunk_operands), else
+one forward each."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from torch import Tensor
 
 from dmattn_cute.kernels.bwd_launch import sm_count
 from dmattn_cute.kernels.combine_launch import combine_splits
-from dmattn_cute.kernels.fwd_launch import flash_fwd, reads_key_chunks
+from dmattn_cute.kernels.fwd_launch import flash_fwd
 from dmattn_cute.ops import attention_fwd, eager_cuda
 from dmattn_cute.problem import Problem, broadcast_view, make_problem
 
@@ -81,7 +83,8 @@ def decode_step(
         problem.batch, problem.num_heads_kv, problem.seqlen_k, sm_count(query.device, "sm_90a")
     )
     group = problem.num_heads // problem.num_heads_kv
-    if chunk_fold(key, value, splits) is None and not (splits == 1 and group > 1):
+    one_forward = eager_cuda(query) or chunk_fold(key, value, splits) is not None
+    if not one_forward and not (splits == 1 and group > 1):
         return None  # one forward per chunk: host-bound at short lengths; or nothing gained
     return packed_decode(
         query, key, value, mask, bias, problem.softmax_scale, problem.softcap, splits
@@ -102,16 +105,20 @@ def packed_decode(
     `splits` chunks.
 
     Each chunk runs the forward on q viewed as [B, group, Hkv, D] (a view: the group's heads
-    as its query rows), its mask/bias sliced alike: all chunks in one forward where
-    chunk_fold finds a way, else one forward each. The chunks' outputs are merged with the
-    weights exp(lse_chunk - lse), lse the log-sum-exp of theirs (a row with no visible key
-    anywhere: out 0, lse -inf)."""
+    as its query rows), its mask/bias sliced alike: all chunks in one forward on eager CUDA
+    (_forward_chunks) or where chunk_fold finds a way, else one forward each. The chunks'
+    outputs are merged with the weights exp(lse_chunk - lse), lse the log-sum-exp of theirs
+    (a row with no visible key anywhere: out 0, lse -inf)."""
     batch, _, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads // heads_kv
-    fold = chunk_fold(k, v, splits)
-    if fold is not None:
-        out, lse = _forward_chunks(q, k, v, mask, bias, splits, fold, softmax_scale, softcap)
+    if splits > 1 and eager_cuda(q):  # chunk s of row b: batch entry b * splits + s
+        out, lse = _forward_chunks(q, k, v, mask, bias, splits, softmax_scale, softcap)
+        outs = out.view(batch, splits, group, heads_kv, head_dim)
+        lses = lse.view(batch, splits, heads_kv, group)
+    elif (fold := chunk_fold(k, v, splits)) is not None:
+        operands = chunk_operands(q, k, v, mask, bias, splits, fold)
+        out, lse = _forward(*operands, softmax_scale, softcap)
         if fold == "batch":  # chunk s of row b: batch entry b * splits + s
             outs = out.view(batch, splits, group, heads_kv, head_dim)
             lses = lse.view(batch, splits, heads_kv, group)
@@ -143,28 +150,22 @@ def packed_decode(
 
 
 def _forward_chunks(
-    q, k, v, mask, bias, splits: int, fold: str, softmax_scale, softcap
+    q, k, v, mask, bias, splits: int, softmax_scale, softcap
 ) -> tuple[Tensor, Tensor]:
-    """out, lse of the one forward over the folded chunks. With the "batch" fold on eager
-    CUDA the kernels read the packed queries and the mask/bias rows in place, chunk by chunk
-    (fwd_launch.flash_fwd's key_chunks), where they can; else the queries and rows are
-    copied into chunk order (chunk_operands)."""
-    if fold == "batch" and eager_cuda(q):
-        # stride 0 on size-1 dims, as make_problem views the operands (e.g. the kv-cache
-        # API's lengths rows [B, 1, 1, Sk] come from indexing with None)
-        mask, bias = broadcast_view(mask), broadcast_view(bias)
-        queries = _packed_queries(q, k.shape[2])
-        problem, _, _ = make_problem(
-            queries, k, v, None, None, softmax_scale, False, softcap, (-1, -1), False
-        )
-        # one batch entry per chunk of a row's keys
-        batch, chunk = problem.batch * splits, problem.seqlen_k // splits
-        problem = dataclasses.replace(problem, batch=batch, seqlen_k=chunk)
-        if reads_key_chunks(problem, mask, bias, splits, q.device):
-            keys, values = (t.view(batch, chunk, *t.shape[2:]) for t in (k, v))
-            out, lse, _ = flash_fwd(problem, queries, keys, values, mask, bias, key_chunks=splits)
-            return out, lse
-    return _forward(*chunk_operands(q, k, v, mask, bias, splits, fold), softmax_scale, softcap)
+    """out [B * splits, group, Hkv, D], lse [B * splits, Hkv, group] of the one forward that
+    runs every chunk of every row: the kernels read the packed queries, k, v and the mask/bias
+    rows in place and split each row's key blocks themselves (fwd_launch.flash_fwd's
+    key_chunks)."""
+    # stride 0 on size-1 dims, as make_problem views the operands (e.g. the kv-cache API's
+    # lengths rows [B, 1, 1, Sk] come from indexing with None)
+    mask, bias = broadcast_view(mask), broadcast_view(bias)
+    queries = _packed_queries(q, k.shape[2])
+    problem, _, _ = make_problem(
+        queries, k, v, None, None, softmax_scale, False, softcap, (-1, -1), False
+    )
+    problem = dataclasses.replace(problem, batch=problem.batch * splits)
+    out, lse, _ = flash_fwd(problem, queries, k, v, mask, bias, key_chunks=splits)
+    return out, lse
 
 
 def _forward(q, k, v, mask, bias, softmax_scale, softcap) -> tuple[Tensor, Tensor]:

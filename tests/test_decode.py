@@ -46,10 +46,9 @@ def test_packed_split_decode_matches_reference(device, splits, layout, mask_head
 @pytest.mark.parametrize("mask_heads", [2, 1, None])
 @pytest.mark.parametrize("bias_shape", [(1, 2, 1, 2048), (3, 2, 1, 1), None])
 def test_split_decode_reads_the_operand_rows_in_place(monkeypatch, mask_heads, bias_shape):
-    """Chunks of whole key tiles (2048 keys in 4 chunks): the one forward gets the caller's
-    queries and mask/bias rows themselves (the same storage, no copies in chunk order) with
-    key_chunks, and the result is the reference's, with whole chunks and a whole row without
-    a visible key."""
+    """The one forward gets the caller's queries, keys, values and mask/bias rows themselves
+    (the same storage, no copies in chunk order) with key_chunks, and the result is the
+    reference's, with whole chunks and a whole row without a visible key."""
     from dmattn_cute import decode
     from dmattn_cute.problem import broadcast_view
 
@@ -73,6 +72,7 @@ def test_split_decode_reads_the_operand_rows_in_place(monkeypatch, mask_heads, b
     assert kwargs == {"key_chunks": 4}
     queries = args[1]  # q's storage: one entry per row, read by every chunk of the row
     assert queries.shape == (b, h // hkv, hkv, d) and queries.data_ptr() == q.data_ptr()
+    assert args[2] is k and args[3] is v  # whole rows: the kernel splits their key blocks
     for given, passed in zip((mask4, bias4), args[4:6], strict=True):
         if given is None:
             assert passed is None
@@ -88,36 +88,78 @@ def test_split_decode_reads_the_operand_rows_in_place(monkeypatch, mask_heads, b
 
 
 def test_key_chunks_refusals():
-    """What fwd_launch.flash_fwd's key_chunks refuses, before any launch (planned on meta
-    tensors for sm_90a, whose key tiles are 64 wide for one query row with a mask)."""
-    from dmattn_cute.kernels.fwd_launch import fwd_spec, key_chunks_refusal
+    """What fwd_launch.flash_fwd's key_chunks refuses, before any launch: batch entries that are
+    not whole rows of chunks, and mask/bias rows of another batch."""
+    import dataclasses
+
+    from dmattn_cute.kernels.fwd_launch import key_chunks_refusal
     from dmattn_cute.kernels.launch import operand_view
     from dmattn_cute.problem import make_problem
 
-    def refusal(batch, chunk, chunks, mask_shape, bias_shape=None, rows=4):
-        q = torch.empty(batch, rows, 2, 64, dtype=torch.bfloat16, device="meta")
-        k = torch.empty(batch, chunk, 2, 64, dtype=torch.bfloat16, device="meta")
+    def refusal(batch, chunks, mask_shape, bias_shape=None, seqlen_k=2048):
+        q = torch.empty(2, 4, 2, 64, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(2, seqlen_k, 2, 64, dtype=torch.bfloat16, device="meta")
         problem, _, _ = make_problem(q, k, k, None, None, None, False, 0.0, (-1, -1), False)
-        mask = (
-            None if mask_shape is None else torch.empty(mask_shape, dtype=torch.bool, device="meta")
+        problem = dataclasses.replace(problem, batch=batch)
+        mask, bias = (
+            None if shape is None else torch.empty(shape, dtype=dtype, device="meta")
+            for shape, dtype in ((mask_shape, torch.bool), (bias_shape, torch.bfloat16))
         )
-        bias = (
-            None
-            if bias_shape is None
-            else torch.empty(bias_shape, dtype=torch.bfloat16, device="meta")
-        )
-        mask, bias = operand_view(mask), operand_view(bias)
-        spec = fwd_spec(problem, mask, bias, "sm_90a")
-        return key_chunks_refusal(spec, problem, mask, bias, chunks)
+        return key_chunks_refusal(problem, operand_view(mask), operand_view(bias), chunks)
 
-    assert refusal(8, 512, 4, (2, 2, 1, 2048)) is None
-    assert refusal(8, 512, 4, (1, 1, 1, 2048), (2, 2, 1, 1)) is None
-    assert "does not divide the batch 6" in refusal(6, 512, 4, (2, 2, 1, 2048))
-    assert "mask: expected [1 or 2, Hm, Qm, 1 or 2048]" in refusal(8, 512, 4, (2, 2, 1, 512))
-    assert "bias: expected" in refusal(8, 512, 4, None, (8, 2, 1, 2048))
-    assert "not whole key tiles of 64" in refusal(8, 500, 4, (2, 2, 1, 2000))
-    assert refusal(8, 500, 4, None, (2, 2, 1, 2000)) is None  # no mask: no block bits
-    assert "read by TMA" in refusal(8, 512, 4, None, (2, 2, 4, 2048))
+    assert refusal(8, 4, (2, 2, 1, 2048)) is None
+    assert refusal(8, 4, (1, 1, 1, 2048), (2, 2, 1, 1)) is None
+    # any key count, and a bias with a row per query (read by TMA on Hopper)
+    assert refusal(8, 4, (2, 2, 1, 2001), (2, 2, 4, 2001), seqlen_k=2001) is None
+    assert "does not divide the batch 6" in refusal(6, 4, (2, 2, 1, 2048))
+    assert "mask: expected [1 or 2, Hm, Qm, Km]" in refusal(8, 4, (8, 2, 1, 2048))
+    assert "bias: expected" in refusal(8, 4, None, (8, 2, 1, 2048))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_k", [8192, 262144])
+@pytest.mark.parametrize("kernels", ["default", "mma_sync"])
+def test_key_chunks_split_the_visible_blocks(monkeypatch, kernels, seqlen_k):
+    """flash_fwd's key_chunks: a row's chunks cover its keys once (no gaps, no overlaps); on
+    the Hopper kernel (block bits) and rows of at most masking.CHUNK_BALANCE_MAX_BLOCKS key
+    tiles they hold as many visible blocks each (within one tile), also where the visible
+    keys crowd one end of the row; else (the mma.sync kernel, longer rows) they are equal key
+    ranges. Seen through the chunks' lse: with q = 0 every score is 0, and a chunk's lse is
+    the log of its visible keys (-inf for none)."""
+    import dataclasses
+
+    from dmattn_cute.jit import KERNELS_ENV
+    from dmattn_cute.kernels import masking
+    from dmattn_cute.kernels.fwd_launch import flash_fwd
+    from dmattn_cute.problem import broadcast_view, make_problem
+
+    if kernels == "mma_sync":
+        monkeypatch.setenv(KERNELS_ENV, "mma_sync")
+    rows, sk, hkv, group, d, chunks = 3, seqlen_k, 2, 4, 64, 8
+    q = torch.zeros(rows, group, hkv, d, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(rows, sk, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in "kv")
+    mask = torch.zeros(rows, hkv, 1, sk, dtype=torch.bool, device="cuda")
+    blocks = mask.view(rows, hkv, 1, sk // 128, 128)
+    blocks[0, :, :, :24] = True  # 24 blocks of 128 keys, all in the first 3 of 8 key ranges
+    blocks[1, 0, :, ::3] = True  # spread over the row
+    blocks[1, 1, :, -5:] = True  # 5 blocks at the end: 3 chunks without any
+    problem, _, _ = make_problem(q, k, v, None, None, None, False, 0.0, (-1, -1), False)
+    problem = dataclasses.replace(problem, batch=rows * chunks)
+    out = torch.full((rows * chunks, group, hkv, d), float("nan"), dtype=q.dtype, device="cuda")
+    _, lse, _ = flash_fwd(problem, q, k, v, broadcast_view(mask), None, out, key_chunks=chunks)
+    keys = lse.view(rows, chunks, hkv, group).exp().round()  # visible keys of each chunk
+    assert torch.equal(keys, keys[..., :1].expand_as(keys))  # the same for a group's heads
+    keys = keys[..., 0]
+    assert torch.equal(keys.sum(1), mask.sum(-1)[..., 0].float())
+    assert not out.isnan().any()
+    equal_ranges = mask.view(rows, hkv, chunks, sk // chunks).sum(-1).transpose(1, 2).float()
+    # more key tiles than balanced, whether they are 64 or 128 keys wide
+    if kernels == "mma_sync" or seqlen_k > masking.CHUNK_BALANCE_MAX_BLOCKS * 128:
+        assert torch.equal(keys, equal_ranges)
+    else:
+        spread = keys.amax(1) - keys.amin(1)
+        assert (spread <= 128).all(), keys
+        assert not torch.equal(keys, equal_ranges)
 
 
 def test_what_packs():

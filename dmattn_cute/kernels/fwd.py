@@ -159,8 +159,8 @@ class FlashFwd:
         )
         copy_qkv = tiles.qkv_copy(self.dtype, dp, self.num_threads)
         copy_o = tiles.qkv_copy(self.dtype, dp, self.num_threads, store=True)
-        # batch from K: with key chunks every chunk of a row is a batch entry, Q one per row
-        grid = (cute.ceil_div(mQ.shape[1], self.tile_m), mQ.shape[2], mK.shape[0])
+        # batch from O: with key chunks every chunk of a row is a batch entry
+        grid = (cute.ceil_div(mQ.shape[1], self.tile_m), mQ.shape[2], mO.shape[0])
         self.kernel(
             mQ,
             mK,
@@ -218,17 +218,18 @@ class FlashFwd:
         tm, tn, dp, nthr = self.tile_m, self.tile_n, self.head_dim_padded, self.num_threads
         tidx, _, _ = cute.arch.thread_idx()
         m_block, h, b = cute.arch.block_idx()
-        b_op, first_key = operands.key_chunk(b, key_chunks, mK.shape[1])
-        mMask, mBias = (
-            operands.keys_from(t, first_key, 1 if op is None else op.vec)
-            for t, op in ((mMask, spec.mask), (mBias, spec.bias))
-        )
+        # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key blocks
+        # of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's key_chunks)
+        b_op = b // key_chunks
         hk = h // group
         seqlen_q, seqlen_k, head_dim = mQ.shape[1], mK.shape[1], mQ.shape[3]
         limits = masking.BlockLimits(
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
         n_block_min, n_block_max = limits.key_block_range(m_block)
+        n_block_min, n_block_max = masking.chunk_block_range(
+            None, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
+        )
 
         # ---- shared memory ----
         smem = tiles.allocate_smem(spec.smem_buffers())
@@ -242,8 +243,8 @@ class FlashFwd:
 
         # ---- gmem tiles of this CTA ----
         gQ = cute.local_tile(mQ[b_op, None, h, None], (tm, dp), (m_block, 0))
-        gK = cute.local_tile(mK[b, None, hk, None], (tn, dp), (None, 0))
-        gV = cute.local_tile(mV[b, None, hk, None], (tn, dp), (None, 0))
+        gK = cute.local_tile(mK[b_op, None, hk, None], (tn, dp), (None, 0))
+        gV = cute.local_tile(mV[b_op, None, hk, None], (tn, dp), (None, 0))
         cQ = cute.local_tile(
             cute.make_identity_tensor((seqlen_q, head_dim)), (tm, dp), (m_block, 0)
         )

@@ -117,12 +117,11 @@ def _plan(
     arch: str,
     key_chunks: int,
 ) -> _FwdPlan:
-    # (with key chunks the vector widths hold at every chunk's start: seqlen_k is the chunk)
     mask_spec = operand_spec(mask, problem.seqlen_k)
     spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch)
     scalars = kernel_scalars(FwdScalars, problem, mask, bias)._replace(key_chunks=key_chunks)
     if key_chunks > 1:
-        refusal = key_chunks_refusal(spec, problem, mask, bias, key_chunks)
+        refusal = key_chunks_refusal(problem, mask, bias, key_chunks)
         if refusal is not None:
             raise ValueError(refusal)
     if (
@@ -134,8 +133,7 @@ def _plan(
         return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None)
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     bits_spec = BlockBitsSpec(mask_spec, tile_m, tile_n)
-    seqlen_k = problem.seqlen_k * key_chunks  # the mask's rows: every chunk
-    shape = block_bits_shape(mask, problem.seqlen_q, seqlen_k, tile_m, tile_n)
+    shape = block_bits_shape(mask, problem.seqlen_q, problem.seqlen_k, tile_m, tile_n)
     view = kernel_bits_view(
         torch.empty(shape, dtype=torch.uint8, device="meta"), -(-problem.seqlen_q // tile_m)
     )
@@ -152,38 +150,21 @@ def _plan_of(problem: Problem, mask, bias, arch: str, key_chunks: int = 1) -> _F
     return remember(_PLANS, key, lambda: _plan(problem, mask, bias, arch, key_chunks), _PLANS_MAX)
 
 
-def key_chunks_refusal(spec, problem: Problem, mask, bias, key_chunks: int) -> str | None:
-    """Why mask/bias rows cannot be read in `key_chunks` chunks of the forward's keys by the
-    variant `spec` (flash_fwd's key_chunks), or None: the batch entries must be a multiple of
-    the chunks, the operands [Bm, Hm, Qm, Km] with Bm in {1, batch / key_chunks} and Km in
-    {1, Sk * key_chunks}; on the Hopper kernel, the chunks whole key tiles (of the block
-    bits) and no bias tile read by TMA (its boxes do not move with the chunk)."""
+def key_chunks_refusal(problem: Problem, mask, bias, key_chunks: int) -> str | None:
+    """Why the forward cannot run `key_chunks` chunks of every row's keys as batch entries
+    (flash_fwd's key_chunks), or None: the batch entries must be a multiple of the chunks and
+    the mask/bias [Bm, Hm, Qm, Km] the rows' own or broadcast over them (Bm in {1,
+    batch / key_chunks})."""
     if problem.batch % key_chunks:
         return f"key_chunks: {key_chunks} does not divide the batch {problem.batch}"
-    rows, keys = problem.batch // key_chunks, problem.seqlen_k * key_chunks
+    rows = problem.batch // key_chunks
     for name, t in (("mask", mask), ("bias", bias)):
-        if t is not None and (t.shape[0] not in (1, rows) or t.shape[3] not in (1, keys)):
+        if t is not None and t.shape[0] not in (1, rows):
             return (
-                f"{name}: expected [1 or {rows}, Hm, Qm, 1 or {keys}] rows for {key_chunks} key "
-                f"chunks, got {tuple(t.shape)}"
+                f"{name}: expected [1 or {rows}, Hm, Qm, Km] for {key_chunks} key chunks of "
+                f"{rows} rows, got {tuple(t.shape)}"
             )
-    if isinstance(spec, Sm90FwdSpec):
-        if mask is not None and problem.seqlen_k % spec.tile.tile_n:
-            return (
-                f"key_chunks: chunks of {problem.seqlen_k} keys are not whole key tiles of "
-                f"{spec.tile.tile_n}"
-            )
-        if spec.bias is not None and spec.bias.tma_tiles:
-            return "key_chunks: a bias with a row per query is read by TMA"
     return None
-
-
-def reads_key_chunks(problem: Problem, mask, bias, key_chunks: int, device) -> bool:
-    """Whether flash_fwd takes these mask/bias views (4-D, problem.broadcast_view) with
-    `key_chunks` on `device` (decode.packed_decode asks before it folds its chunks)."""
-    mask, bias = operand_view(mask), operand_view(bias)
-    spec = _variant(problem, mask, bias, target_arch(device))
-    return key_chunks_refusal(spec, problem, mask, bias, key_chunks) is None
 
 
 # The variant a mask view (not yet planned) would run, by problem, arch and the mask's and
@@ -225,19 +206,21 @@ def flash_fwd(
     then does not run; only without a block mask. key_expiry: validated top-w expiry rows
     [Be, He, Sk] int32 (dmattn_cute/topw.py), the Hopper kernel's mask operand when it is the
     only mask, else part of the element mask (kernels/expiry_launch.py). key_chunks > 1
-    (split-KV decode): batch entry b of k/v (and of out, lse, stats: problem.batch entries)
-    holds chunk b % key_chunks of the keys of row b // key_chunks; q [B / key_chunks, Sq, H,
-    D] and mask/bias are that row's, the operands over all its keys, [Bm, Hm, Qm, Km] with
-    Km in {1, Sk * key_chunks}, all read in place (see key_chunks_refusal; not with a block
-    mask, bits or an expiry).
+    (split-KV decode): out, lse and stats have problem.batch = B * key_chunks entries, entry
+    b for chunk b % key_chunks of the key blocks of row b // key_chunks of q, k, v [B, ...]
+    and mask/bias [1 or B, Hm, Qm, Km] (problem.seqlen_k: all of a row's keys); the chunks
+    hold as many visible blocks each where the Hopper kernel has block bits and the row is
+    short enough, else as many blocks (masking.chunk_block_range). Not with a block mask,
+    bits or an expiry.
     """
     if key_chunks > 1 and (block_mask is not None or bits is not None or key_expiry is not None):
         raise ValueError("key_chunks: not with a block mask, given bits or a key expiry")
-    if q.shape[0] * key_chunks != problem.batch:
-        raise ValueError(
-            f"q: expected {problem.batch // key_chunks} rows for {problem.batch} batch entries "
-            f"in {key_chunks} key chunks, got {q.shape[0]}"
-        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.shape[0] * key_chunks != problem.batch:
+            raise ValueError(
+                f"{name}: expected {problem.batch // key_chunks} rows for {problem.batch} batch "
+                f"entries in {key_chunks} key chunks, got {t.shape[0]}"
+            )
     q, k, v = qkv_view(q), qkv_view(k), qkv_view(v)
     bias = operand_view(bias)
     arch = target_arch(q.device)
@@ -281,7 +264,7 @@ def flash_fwd(
                 raise ValueError(f"bits: expected {plan.bits_shape}, got {tuple(bits.shape)}")
         elif blocks is None or mask_given:
             bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
-            plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k * key_chunks)
+            plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k)
         if blocks is None:
             bits = bits.as_strided(plan.bits_view_shape, plan.bits_strides)
         else:
@@ -304,5 +287,4 @@ __all__ = [
     "forward_spec_of",
     "fwd_spec",
     "key_chunks_refusal",
-    "reads_key_chunks",
 ]

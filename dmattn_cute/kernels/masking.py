@@ -203,3 +203,93 @@ def next_set_bit(word: cutlass.Int32, j: cutlass.Int32) -> cutlass.Int32:
     above = word >> (j + 1)
     lowest = above & (-above)
     return SCAN_BLOCKS if above == 0 else j + 1 + cutlass.Int32(cute.arch.popc(lowest - 1))
+
+
+# Split-KV chunks: block-bit loads a lane of the balancing scan keeps in flight, and the
+# longest range of key blocks that is balanced. The scan costs a few L2 round trips per 512
+# blocks before a CTA's first load; measured on an H200 (decode, B8 Hkv4, 64-key tiles, mask
+# density 0.25, from a CUDA graph) it paid at 512 blocks (Sk 32k: 0.061 -> 0.057 ms) and cost
+# more than it saved at 2048 (Sk 128k: 0.157 -> 0.162 ms) and 8192 (Sk 512k: 0.544 -> 0.606).
+CHUNK_SCAN_UNROLL = 16
+CHUNK_BALANCE_MAX_BLOCKS = 1024
+
+
+@cute.jit
+def chunk_block_range(
+    bits: cute.Tensor | None,
+    n_block_min: cutlass.Int32,
+    n_block_max: cutlass.Int32,
+    chunk: cutlass.Int32,
+    chunks: cutlass.Int32,
+):
+    """[lo, hi) of chunk `chunk` of `chunks` that split [n_block_min, n_block_max) for a
+    split-KV forward (fwd_launch.flash_fwd's key_chunks): as many blocks each, or, with the
+    block bits of the query block (bits[n_block], a byte per key block) and at most
+    CHUNK_BALANCE_MAX_BLOCKS blocks, as many visible blocks each (within one). A row's CTAs
+    then read about the same K/V bytes, where equal key ranges of a random mask give the
+    busiest one ~1.7x the mean at 16 visible blocks each. Every lane of the calling warp
+    computes the same range (no shared memory, no barrier: each warp of a CTA calls it)."""
+    lo, hi = n_block_min, n_block_max
+    if chunks > 1:
+        n = n_block_max - n_block_min
+        lo = n_block_min + n * chunk // chunks
+        hi = n_block_min + n * (chunk + 1) // chunks
+        if cutlass.const_expr(bits is not None):
+            if n <= CHUNK_BALANCE_MAX_BLOCKS:
+                lo, hi = _balanced_range(bits, n_block_min, n_block_max, chunk, chunks)
+    return lo, hi
+
+
+@cute.jit
+def _balanced_range(bits, n_block_min, n_block_max, chunk, chunks):
+    """chunk_block_range's chunk of as many visible blocks. Each lane counts the visible
+    blocks of its own `seg` consecutive blocks; an inclusive prefix sum over the lanes gives
+    every lane the ranks its blocks hold. The chunk runs from the block of rank total * chunk
+    / chunks to the one of rank total * (chunk + 1) / chunks (rank `total`: n_block_max), each
+    found by the lane whose blocks hold it."""
+    lane = cute.arch.lane_idx()
+    seg = cute.ceil_div(n_block_max - n_block_min, 32)
+    first = n_block_min + lane * seg
+    own = cutlass.Int32(0)
+    for j in cutlass.range(seg, unroll=CHUNK_SCAN_UNROLL):
+        own += _visible(bits, first + j, n_block_max)
+    upto = own
+    for i in cutlass.range_constexpr(5):
+        below = cute.arch.shuffle_sync_up(upto, offset=1 << i)
+        if lane >= (1 << i):
+            upto += below
+    total = cute.arch.shuffle_sync(upto, 31)
+    lo, hi = n_block_max, n_block_max
+    rank_lo = total * chunk // chunks
+    rank_hi = total * (chunk + 1) // chunks
+    if (upto - own <= rank_lo) & (rank_lo < upto):
+        lo = _nth_visible(bits, first, seg, n_block_max, rank_lo - (upto - own))
+    if (upto - own <= rank_hi) & (rank_hi < upto):
+        hi = _nth_visible(bits, first, seg, n_block_max, rank_hi - (upto - own))
+    for i in cutlass.range_constexpr(5):
+        lo = cutlass.min(lo, cute.arch.shuffle_sync_bfly(lo, offset=16 >> i))
+        hi = cutlass.min(hi, cute.arch.shuffle_sync_bfly(hi, offset=16 >> i))
+    return lo, hi
+
+
+@cute.jit
+def _visible(bits: cute.Tensor, n_block: cutlass.Int32, end: cutlass.Int32) -> cutlass.Int32:
+    """1 if key block n_block (< end) is visible, else 0. The load is not predicated (its
+    index is clamped instead), so that a loop's loads can all be in flight at once."""
+    byte = cutlass.Int32(bits[cutlass.min(n_block, end - 1)])
+    return byte & VISIBLE & ((n_block - end) >> 31)  # (n_block - end) >> 31: -1 below end
+
+
+@cute.jit
+def _nth_visible(
+    bits: cute.Tensor, first: cutlass.Int32, seg: cutlass.Int32, end: cutlass.Int32, nth
+) -> cutlass.Int32:
+    """The visible block number nth (from 0) of the blocks [first, first + seg), which hold
+    more than nth."""
+    found = end
+    count = cutlass.Int32(0)
+    for j in cutlass.range(seg, unroll=CHUNK_SCAN_UNROLL):
+        count += _visible(bits, first + j, end)
+        if (count == nth + 1) & (found == end):
+            found = first + j
+    return found

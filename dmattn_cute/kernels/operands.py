@@ -22,29 +22,6 @@ from .config import tile_row_elems
 from .spec import dtype_bytes
 
 
-def key_chunk(b, key_chunks, seqlen_k):
-    """Split-KV decode (fwd_launch.flash_fwd's key_chunks): the forward's batch entry b
-    (of K, V and the output) is chunk b % key_chunks of the query and mask/bias rows of
-    batch b // key_chunks, its keys from that chunk times seqlen_k (the forward's key
-    length) on. Returns (Q's and the operands' batch index, the chunk's first key);
-    key_chunks 1: (b, 0)."""
-    b_op = b // key_chunks
-    return b_op, (b - b_op * key_chunks) * seqlen_k
-
-
-def keys_from(mX: cute.Tensor | None, first_key, vec: int = 1) -> cute.Tensor | None:
-    """mX (a mask/bias [Bm, Hm, Qm, Km] or one row of block bits) re-viewed from key (or key
-    block) `first_key` of its last dim on: the same layout at a shifted start (a key-broadcast
-    operand, stride 0, is unchanged). vec: the operand's vector width, which the shift keeps
-    (its spec was checked against the chunk length: launch.operand_spec). None for None."""
-    if mX is None:
-        return None
-    shift = first_key * mX.stride[cute.rank(mX.layout) - 1]
-    if vec > 1:
-        shift = cute.assume(shift, divby=vec)
-    return cute.make_tensor(mX.iterator + shift, mX.layout)
-
-
 def gmem_tiles(op, mX: cute.Tensor, b, hx, limits, m_block, n_block, pack: int = 1):
     """gmem tiles of the slice mX[b, hx] and their (row, col) coordinates, indexed by the walked
     block last: the forward fixes m_block (n_block=None), the backward n_block (m_block=None).

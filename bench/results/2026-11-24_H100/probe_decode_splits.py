@@ -5,8 +5,6 @@ density 0.25, as bench.run's ours_kvcache_graph times it.
     python3 bench/results/2026-11-24_H100/probe_decode_splits.py
 """
 
-import torch
-
 from bench.peers import ours_kvcache_graph
 from bench.run import make_timer
 from bench.workloads import Workload, make_inputs
@@ -15,8 +13,9 @@ from dmattn_cute import kvcache
 _, timer = make_timer()
 chosen = kvcache.decode_splits
 for seqlen_k, splits in ((32768, (None, 4, 16, 32, 64)), (131072, (None, 16, 32, 64))):
-    x = make_inputs(Workload("decode", 8, 1, seqlen_k, bias="key", mask="blocks", density=0.25),
-                    "cuda")
+    x = make_inputs(
+        Workload("decode", 8, 1, seqlen_k, bias="key", mask="blocks", density=0.25), "cuda"
+    )
     for n in splits:
         kvcache.decode_splits = chosen if n is None else (lambda *a, n=n: n)
         _, replay = next(ours_kvcache_graph(x))

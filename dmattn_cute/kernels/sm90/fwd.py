@@ -242,8 +242,8 @@ class FlashFwdSm90:
             tma_bias, tBias = cpasync.make_tiled_tma_atom(
                 load, view, cute.select(sBias_layout, mode=[0, 1]), (tm, tn), 1
             )
-        # batch from K: with key chunks every chunk of a row is a batch entry, Q one per row
-        grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mK.shape[0])
+        # batch from O: with key chunks every chunk of a row is a batch entry
+        grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mO.shape[0])
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], mK.shape[1], mLSE, mStats, mMask, mBias, mBits,
             tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
@@ -307,16 +307,12 @@ class FlashFwdSm90:
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
         n_block_min, n_block_max = limits.key_block_range(m_block)
-        # mask, bias and bits of this chunk (split-KV decode; the TMA bias never takes chunks)
-        b_op, first_key = operands.key_chunk(b, key_chunks, seqlen_k)
-        mMask, mBias = (
-            operands.keys_from(t, first_key, 1 if op is None else op.vec)
-            for t, op in ((mMask, spec.mask), (mBias, spec.bias))
-        )
+        # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key blocks
+        # of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's key_chunks)
+        b_op = b // key_chunks
         bits = None
         if cutlass.const_expr(spec.mask is not None):
             bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
-            bits = operands.keys_from(bits, first_key // tn)
 
         # ---- shared memory and pipelines ----
         smem = tiles.allocate_smem(spec.smem_buffers())
@@ -366,6 +362,9 @@ class FlashFwdSm90:
         # may start now: it waits for this grid the same way.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        n_block_min, n_block_max = masking.chunk_block_range(
+            bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
+        )
 
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
@@ -385,7 +384,7 @@ class FlashFwdSm90:
             self.produce(
                 tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
                 pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
-                n_block_max, h, b, b_op, mask_head_div, bias_head_div, group, seqlen_k,
+                n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k,
                 tma_bias, tBias, sBias,
             )  # fmt: skip
         else:
@@ -424,12 +423,12 @@ class FlashFwdSm90:
     def produce(
         self, tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
         pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
-        n_block_max, h, b, b_op, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
+        n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
         tBias, sBias,
     ):  # fmt: skip
         """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
-        block from the last to the first, each into the next free stage (b_op: the batch of
-        Q and the mask/bias rows, operands.key_chunk)."""
+        block from the last to the first, each into the next free stage (b_op: the row of Q,
+        K, V, the mask and the bias)."""
         spec = self.spec
         tm, tn, dp = self.tile_m, self.tile_n, self.head_dim_padded
         tidx = cute.arch.thread_idx()[0]
@@ -440,18 +439,18 @@ class FlashFwdSm90:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
-        gK = cute.local_tile(tK[None, None, hk, b], (tn, dp), (None, 0))
+        gK = cute.local_tile(tK[None, None, hk, b_op], (tn, dp), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(
             tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
         )
-        gV = cute.local_tile(tV[None, None, hk, b], (tn, dp), (None, 0))
+        gV = cute.local_tile(tV[None, None, hk, b_op], (tn, dp), (None, 0))
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
         tBsB = tBgB = None
         if cutlass.const_expr(self.bias_tma):
             coord = [None, None] + [
-                x for d, x in ((1, h // bias_head_div), (0, b)) if spec.bias.strides[d] != "0"
+                x for d, x in ((1, h // bias_head_div), (0, b_op)) if spec.bias.strides[d] != "0"
             ]
             gB = cute.local_tile(tBias[tuple(coord)], (tm, tn), (m_block, None))
             tBsB, tBgB = cpasync.tma_partition(
