@@ -34,8 +34,8 @@ PLAIN_DECODE_MIN_KEYS = 1 << 16
 
 def decode_splits(batch: int, heads_kv: int, seqlen_k: int, sms: int) -> int:
     """Key chunks per (row, kv head): up to enough for two CTAs per SM, each chunk at least
-    512 keys; the largest such count that divides the keys (its chunks then run in one
-    launch), else that upper count."""
+    512 keys; the largest such count that divides the keys (off eager CUDA its chunks then
+    fold into one forward by views; the kernels split any count), else that upper count."""
     wanted = max(1, min(math.ceil(2 * sms / (batch * heads_kv)), math.ceil(seqlen_k / 512)))
     divisors = [n for n in range(2, wanted + 1) if seqlen_k % n == 0]
     return divisors[-1] if divisors else wanted
