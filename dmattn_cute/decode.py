@@ -6,9 +6,9 @@ GPU's bandwidth), their partial outputs merged by their log-sum-exps.
 Used by flash_dmattn_with_kvcache for Sq = 1. On eager CUDA the chunks run as one forward
 launch that reads q, k, v and the mask/bias rows in place, each chunk a range of a row's key
 blocks (of as many visible blocks as the others where the row is short enough;
-fwd_launch.flash_fwd's key_chunks), and the merge is one more (kernels/combine.py). Elsewhere (torch.compile, CPU) the chunks are
-equal key ranges: one forward over views where the keys divide evenly (chunk_operands), else
-one forward each."""
+fwd_launch.flash_fwd's key_chunks), and the merge is one more (kernels/combine.py).
+Elsewhere (torch.compile, CPU) the chunks are equal key ranges: one forward over views where
+the keys divide evenly (chunk_operands), else one forward each."""
 
 from __future__ import annotations
 
