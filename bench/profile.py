@@ -1,11 +1,11 @@
 """Forward + backward calls of a sparse-suite workload, for Nsight Compute or a host profile.
 
     ncu --clock-control none -k regex:FlashBwd -c 1 --section SpeedOfLight \\
-        python3 -m bench.profile [--density D] [--blocks128]
+        python3 -m bench.profile [--density D] [--blocks128] [--bias key|full]
     python3 -m bench.profile --host [--fwd] [--density D] [--blocks128 [--block-mask]] [--causal]
     python3 -m bench.profile --host --decode SK [--blocks128] [--kvcache]
 
-Without --density: no mask, no bias. With it: the sparse suite's random-block mask of that
+Without --density: no mask, and the bias --bias names (none by default). With it: the sparse suite's random-block mask of that
 density (bench/workloads.py; --blocks128: 128 x 128 blocks, --block-mask: given as a block
 mask, as the bench's ours_block_mask) and a bias [B, Hkv, 1, S] with its gradient. Calls run
 as the bench times them: --fwd without autograd, else forward + torch.autograd.grad. --host:
@@ -73,10 +73,12 @@ def training_call(args, parser: argparse.ArgumentParser):
         w = Workload("sparse", 2, 4096, 4096, causal=args.causal, bias="key", mask=mask,
                      density=args.density)  # fmt: skip
     else:
-        w = Workload("dense", 2, 4096, 4096, causal=args.causal)
+        w = Workload("bias", 2, 4096, 4096, causal=args.causal, bias=args.bias)
     x = make_inputs(w, "cuda", grad=not args.fwd)
     if args.block_mask and x.blocks is None:
         parser.error("--block-mask needs --density and --blocks128")
+    if args.bias and args.density is not None:
+        parser.error("--bias is for calls without --density (those have a key bias)")
     masks = {"block_mask": x.blocks} if args.block_mask else {"attn_mask": x.mask}
 
     def forward() -> torch.Tensor:
@@ -94,6 +96,7 @@ def main() -> None:
     parser.add_argument("--blocks128", action="store_true")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--block-mask", action="store_true")
+    parser.add_argument("--bias", choices=("key", "full"))
     parser.add_argument("--fwd", action="store_true")
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--decode", type=int, metavar="SK")
