@@ -246,7 +246,8 @@ def sm90_fwd_smem_buffers(
     ]
     for name, operand in (("mask", mask), ("bias", bias)):
         if operand is not None and operand.tma:
-            size = tile.stages * tile.tile_m * tile.tile_n * operand.elem_bytes
+            rows = 1 if operand.row_broadcast else tile.tile_m
+            size = tile.stages * rows * tile.tile_n * operand.elem_bytes
             buffers.append(SmemBuffer(name, size, 1024))
         elif operand is not None:
             rows = 1 if operand.row_broadcast else tile.tile_m
