@@ -53,6 +53,7 @@ from .. import masking, operands, tiles
 from ..config import (
     Sm90FwdTile,
     SmemBuffer,
+    bias_row_pitch,
     padded_head_dim,
     sm90_fwd_smem_buffers,
     sm90_fwd_tile,
@@ -378,10 +379,10 @@ class FlashFwdSm90:
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
         sBias = None
-        if cutlass.const_expr(self.bias_tma and self.bias_row):  # stage s: tn keys at s * tn
-            sBias = tiles.smem_tensor(
-                smem["bias"], DTYPES[spec.bias.dtype], cute.make_layout((self.tile_n, self.stages))
-            )
+        if cutlass.const_expr(self.bias_tma and self.bias_row):
+            # stage s: tn keys at s * pitch (TMA writes 128-byte aligned boxes)
+            row_layout = cute.make_layout((tn, st), stride=(1, bias_row_pitch(tn)))
+            sBias = tiles.smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], row_layout)
         elif cutlass.const_expr(self.bias_tma):
             sBias = tiles.swizzled_smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], sBias_layout)
         for name, op in (("mask", spec.mask), ("bias", spec.bias)):
@@ -566,7 +567,7 @@ class FlashFwdSm90:
         )
         views = {name: thr_qk.partition_C(tile_smem[name][1]) for name in tile_smem}
         if cutlass.const_expr(self.bias_tma and self.bias_row):  # every row reads row 0
-            row_view = cute.make_layout((tm, tn, st), stride=(0, 1, tn))
+            row_view = cute.make_layout((tm, tn, st), stride=(0, 1, bias_row_pitch(tn)))
             views["bias"] = thr_qk.partition_C(cute.make_tensor(sBias.iterator, row_view))
         elif cutlass.const_expr(self.bias_tma):
             views["bias"] = thr_qk.partition_C(sBias)
