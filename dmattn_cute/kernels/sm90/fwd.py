@@ -5,12 +5,14 @@ One CTA per (query block, head, batch), longest causal rows first. Three warpgro
 
 - the producer (warps 0-3, few registers): warp 0 loads Q once and K, V per visible key block
   by TMA into `stages` smem stages, and the bias tile too when its rows allow (16-bit,
-  16-byte aligned: Sm90FwdSpec's `bias.tma_tiles`); all four warps load the block's mask
+  16-byte aligned: Sm90FwdSpec's `bias.tma_tiles`; a query-broadcast bias as one row of the
+  block's keys, which spares the producer's cp.async pipeline); all four warps load the mask
   tile, and a bias TMA cannot read, with predicated cp.async (any view: broadcast dims, odd
   strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
   copies land. A block's bias and mask go before its K and V.
 - two consumers (64 query rows each): S = bias / scale + Q K^T by wgmma from smem (a
-  query-broadcast bias added after the GEMM), softcap / mask / causal-window limits, the online softmax, O += P V by wgmma with P from registers.
+  query-broadcast bias added after the GEMM), softcap / mask / causal-window limits, the
+  online softmax, O += P V by wgmma with P from registers.
   The next block's Q K^T is issued before the previous block's P V (so the softmax of one
   block runs under the GEMMs of its neighbours), and with head dims up to 128 the two
   consumers take turns at the tensor cores (named barriers), one's softmax under the other's
