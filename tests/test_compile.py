@@ -207,6 +207,24 @@ def test_hopper_bias_by_tma_compiles(head_dim: int) -> None:
     assert set(re.findall(r"cp\.async\.bulk\.tensor\.\dd", ptx)) == {"cp.async.bulk.tensor.4d"}
 
 
+def test_hopper_key_bias_row_by_tma_compiles() -> None:
+    """A query-broadcast ([B, Hkv, 1, Sk]) 16-bit bias with aligned rows comes by TMA too: a box
+    of one block's keys from the (Sk, heads, batch) view, on its own pipeline, with no
+    cp.async tiles left when there is no mask; its smem stages are one row each."""
+    bias = OperandSpec("bf16", ("d", "d", "0", "1"), 8)
+    spec = fwd_spec_for("sm_90a", 128, "bf16", None, bias, False, False)
+    assert spec.bias.tma_tiles
+    (buffer,) = [b for b in spec.smem_buffers() if b.name == "bias"]
+    assert buffer.bytes == spec.tile.stages * -(-spec.tile.tile_n // 64) * 64 * 2
+    ptx = fwd_ptx("sm_90a", spec)
+    check_fwd_ptx("sm_90a", ptx)
+    assert set(re.findall(r"cp\.async\.bulk\.tensor\.\dd", ptx)) == {
+        "cp.async.bulk.tensor.3d",
+        "cp.async.bulk.tensor.4d",
+    }
+    assert "cp.async.ca.shared.global" not in ptx and "cp.async.cg.shared.global" not in ptx
+
+
 def bwd_spec_for(
     target: str,
     head_dim: int,

@@ -105,7 +105,8 @@ def test_hopper_tile_search_fails_at_spec_time(monkeypatch: pytest.MonkeyPatch) 
         (OperandSpec("bf16", ("d", "d", "d", "1"), 8), True),
         (OperandSpec("fp16", ("0", "d", "d", "1"), 8), True),  # broadcast dims drop out
         (OperandSpec("bf16", ("d", "d", "d", "1"), 4), False),  # rows 8-byte aligned only
-        (OperandSpec("bf16", ("d", "d", "0", "1"), 8), False),  # one row for all queries
+        (OperandSpec("bf16", ("d", "d", "0", "1"), 8), True),  # one row for all queries
+        (OperandSpec("bf16", ("d", "d", "0", "1"), 2), False),  # that row 4-byte aligned
         (OperandSpec("fp32", ("d", "d", "d", "1"), 4), False),  # 32-bit: no room for 2 stages
         (OperandSpec("bf16", ("d", "d", "1", "d"), 1), False),  # queries contiguous
     ],

@@ -63,6 +63,12 @@ def _round_up(x: int, to: int) -> int:
     return -(-x // to) * to
 
 
+def bias_row_pitch(tile_n: int) -> int:
+    """Elements between the smem stages of a 16-bit bias row that TMA writes (its boxes start
+    128-byte aligned)."""
+    return _round_up(tile_n, 64)
+
+
 class SmemBuffer(NamedTuple):
     """One shared-memory allocation of a CTA: its name, size and alignment in bytes."""
 
@@ -245,7 +251,10 @@ def sm90_fwd_smem_buffers(
         SmemBuffer("v", kv_bytes, 1024),
     ]
     for name, operand in (("mask", mask), ("bias", bias)):
-        if operand is not None and operand.tma:
+        if operand is not None and operand.tma and operand.row_broadcast:
+            size = tile.stages * bias_row_pitch(tile.tile_n) * operand.elem_bytes
+            buffers.append(SmemBuffer(name, size, 1024))
+        elif operand is not None and operand.tma:
             size = tile.stages * tile.tile_m * tile.tile_n * operand.elem_bytes
             buffers.append(SmemBuffer(name, size, 1024))
         elif operand is not None:

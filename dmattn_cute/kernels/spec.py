@@ -50,15 +50,10 @@ class OperandSpec:
 
     @property
     def tma_tiles(self) -> bool:
-        """Its (rows, keys) tiles can be TMA boxes (the Hopper forward): 16-bit elements (a
-        32-bit tile would leave no room for two stages), one row per query, unit key stride,
-        16-byte aligned base and strides (vec of 8)."""
-        return (
-            dtype_bytes(self.dtype) == 2
-            and not self.row_broadcast
-            and self.strides[3] == "1"
-            and self.vec == 8
-        )
+        """Its (rows, keys) tiles, or the one row of a query-broadcast operand, can be TMA boxes
+        (the Hopper forward): 16-bit elements (a 32-bit tile would leave no room for two
+        stages), unit key stride, 16-byte aligned base and strides (vec of 8)."""
+        return dtype_bytes(self.dtype) == 2 and self.strides[3] == "1" and self.vec == 8
 
     def smem(self, tma: bool = False) -> SmemOperand:
         """Its tiles' shared memory: padded rows for cp.async, or (tma) TMA boxes."""

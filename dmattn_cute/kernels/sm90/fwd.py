@@ -5,12 +5,14 @@ One CTA per (query block, head, batch), longest causal rows first. Three warpgro
 
 - the producer (warps 0-3, few registers): warp 0 loads Q once and K, V per visible key block
   by TMA into `stages` smem stages, and the bias tile too when its rows allow (16-bit,
-  16-byte aligned: Sm90FwdSpec's `bias.tma_tiles`); all four warps load the block's mask
+  16-byte aligned: Sm90FwdSpec's `bias.tma_tiles`; a query-broadcast bias as one row of the
+  block's keys, which spares the producer's cp.async pipeline); all four warps load the mask
   tile, and a bias TMA cannot read, with predicated cp.async (any view: broadcast dims, odd
   strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
   copies land. A block's bias and mask go before its K and V.
 - two consumers (64 query rows each): S = bias / scale + Q K^T by wgmma from smem (a
-  query-broadcast bias added after the GEMM), softcap / mask / causal-window limits, the online softmax, O += P V by wgmma with P from registers.
+  query-broadcast bias added after the GEMM), softcap / mask / causal-window limits, the
+  online softmax, O += P V by wgmma with P from registers.
   The next block's Q K^T is issued before the previous block's P V (so the softmax of one
   block runs under the GEMMs of its neighbours), and with head dims up to 128 the two
   consumers take turns at the tensor cores (named barriers), one's softmax under the other's
@@ -53,6 +55,7 @@ from .. import masking, operands, tiles
 from ..config import (
     Sm90FwdTile,
     SmemBuffer,
+    bias_row_pitch,
     padded_head_dim,
     sm90_fwd_smem_buffers,
     sm90_fwd_tile,
@@ -159,6 +162,7 @@ class FlashFwdSm90:
         self.num_threads = spec.tile.num_threads
         self.consumer_threads = self.num_threads - 128
         self.bias_tma = spec.bias is not None and spec.bias.tma_tiles
+        self.bias_row = spec.bias is not None and spec.bias.row_broadcast
         # tiles the producer copies with cp.async
         self.has_tiles = spec.mask is not None or (spec.bias is not None and not self.bias_tma)
         # The score accumulator starts from a bias tile unless the bias follows the softcap. A
@@ -234,14 +238,21 @@ class FlashFwdSm90:
             cpasync.CopyBulkTensorTileS2GOp(), tma_view(mO), sQ_layout, (tm, dp)
         )
         # The bias by TMA: (Sq, Sk[, heads][, batch]), its broadcast (stride-0) dims left out.
+        # A query-broadcast bias: one row per block, (Sk[, heads][, batch]), a box of tn keys.
         tma_bias = tBias = sBias_layout = None
         if cutlass.const_expr(self.bias_tma):
-            kept = [2, 3] + [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
+            rows = [] if self.bias_row else [2]
+            kept = rows + [3] + [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
             view = cute.make_tensor(mBias.iterator, cute.select(mBias.layout, mode=kept))
-            sBias_layout = smem_layout(DTYPES[self.spec.bias.dtype], tm, tn, st)
-            tma_bias, tBias = cpasync.make_tiled_tma_atom(
-                load, view, cute.select(sBias_layout, mode=[0, 1]), (tm, tn), 1
-            )
+            if cutlass.const_expr(self.bias_row):
+                tma_bias, tBias = cpasync.make_tiled_tma_atom(
+                    load, view, cute.make_layout(tn), (tn,), 1
+                )
+            else:
+                sBias_layout = smem_layout(DTYPES[self.spec.bias.dtype], tm, tn, st)
+                tma_bias, tBias = cpasync.make_tiled_tma_atom(
+                    load, view, cute.select(sBias_layout, mode=[0, 1]), (tm, tn), 1
+                )
         # batch from O: with key chunks every chunk of a row is a batch entry
         grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mO.shape[0])
         self.kernel(
@@ -351,7 +362,8 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.bias_tma):
             pipe_bias = pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar + 2 + 6 * st, num_stages=st, producer_group=one_thread,
-                consumer_group=consumer_warps, tx_count=tm * tn * dtype_bytes(spec.bias.dtype),
+                consumer_group=consumer_warps,
+                tx_count=(1 if self.bias_row else tm) * tn * dtype_bytes(spec.bias.dtype),
                 defer_sync=True,
             )  # fmt: skip
         cute.arch.mbarrier_init_fence()
@@ -369,7 +381,11 @@ class FlashFwdSm90:
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
         sBias = None
-        if cutlass.const_expr(self.bias_tma):
+        if cutlass.const_expr(self.bias_tma and self.bias_row):
+            # stage s: tn keys at s * pitch (TMA writes 128-byte aligned boxes)
+            row_layout = cute.make_layout((tn, st), stride=(1, bias_row_pitch(tn)))
+            sBias = tiles.smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], row_layout)
+        elif cutlass.const_expr(self.bias_tma):
             sBias = tiles.swizzled_smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], sBias_layout)
         for name, op in (("mask", spec.mask), ("bias", spec.bias)):
             if cutlass.const_expr(op is not None and not (name == "bias" and self.bias_tma)):
@@ -449,13 +465,18 @@ class FlashFwdSm90:
         )
         tBsB = tBgB = None
         if cutlass.const_expr(self.bias_tma):
-            coord = [None, None] + [
+            coord = [None] * (1 if self.bias_row else 2) + [
                 x for d, x in ((1, h // bias_head_div), (0, b_op)) if spec.bias.strides[d] != "0"
             ]
-            gB = cute.local_tile(tBias[tuple(coord)], (tm, tn), (m_block, None))
+            if cutlass.const_expr(self.bias_row):
+                gB = cute.local_tile(tBias[tuple(coord)], (tn,), (None,))
+                modes = 1
+            else:
+                gB = cute.local_tile(tBias[tuple(coord)], (tm, tn), (m_block, None))
+                modes = 2
             tBsB, tBgB = cpasync.tma_partition(
-                tma_bias, 0, cute.make_layout(1), cute.group_modes(sBias, 0, 2),
-                cute.group_modes(gB, 0, 2),
+                tma_bias, 0, cute.make_layout(1), cute.group_modes(sBias, 0, modes),
+                cute.group_modes(gB, 0, modes),
             )  # fmt: skip
         # mask (and a bias TMA cannot read): gmem -> smem cp.async partitions of the 128
         # producer threads
@@ -547,7 +568,10 @@ class FlashFwdSm90:
             )
         )
         views = {name: thr_qk.partition_C(tile_smem[name][1]) for name in tile_smem}
-        if cutlass.const_expr(self.bias_tma):
+        if cutlass.const_expr(self.bias_tma and self.bias_row):  # every row reads row 0
+            row_view = cute.make_layout((tm, tn, st), stride=(0, 1, bias_row_pitch(tn)))
+            views["bias"] = thr_qk.partition_C(cute.make_tensor(sBias.iterator, row_view))
+        elif cutlass.const_expr(self.bias_tma):
             views["bias"] = thr_qk.partition_C(sBias)
         row_bias = spec.bias is not None and spec.bias.row_broadcast
         # a row bias without softcap: scores in log2 units, one FMA each (Scores.log2_units)
@@ -652,7 +676,7 @@ class FlashFwdSm90:
         else left for the GEMM to overwrite."""
         if cutlass.const_expr(self.has_tiles and self.bias_first):
             pipe_tiles.consumer_wait(state)
-        if cutlass.const_expr(self.bias_tma):
+        if cutlass.const_expr(self.bias_tma and not self.bias_row):
             pipe_bias.consumer_wait(state)
         if cutlass.const_expr(self.bias_first):
             scores.start(acc_S, views["bias"][None, None, None, state.index])
@@ -677,6 +701,8 @@ class FlashFwdSm90:
         spec = self.spec
         if cutlass.const_expr(self.has_tiles and not self.bias_first):
             pipe_tiles.consumer_wait(state)  # not waited for before Q K^T (start_scores)
+        if cutlass.const_expr(self.bias_tma and self.bias_row):
+            pipe_bias.consumer_wait(state)  # a bias row is added after Q K^T
         t_bias = t_mask = None
         if cutlass.const_expr(spec.bias is not None):
             t_bias = views["bias"][None, None, None, state.index]
