@@ -439,6 +439,9 @@ class FlashFwdSm90:
                 else:
                     n_block -= 32
                     searching = n_block >= n_block_min
+            # the same for every lane (a ballot): said so, or the stage indices that follow
+            # look divergent to ptxas, which then builds the wgmma descriptors per thread
+            n_block = cute.arch.make_warp_uniform(n_block)
         return n_block
 
     @cute.jit
@@ -520,7 +523,7 @@ class FlashFwdSm90:
                         tma_bar_ptr=pipe_bias.producer_get_barrier(state),
                     )  # fmt: skip
             if cutlass.const_expr(self.mask_only_tiles):
-                full = cutlass.Int32(bits[n_block]) & FULL
+                full = cute.arch.make_warp_uniform(cutlass.Int32(bits[n_block]) & FULL)
                 if full == 0:
                     tile_state = self.mask_tile_state(mask_tiles, True)
                     pipe_tiles.producer_acquire(tile_state)
@@ -728,7 +731,7 @@ class FlashFwdSm90:
         full = cutlass.Int32(0)
         tile_state = state
         if cutlass.const_expr(spec.mask is not None):
-            full = cutlass.Int32(bits[n_block]) & FULL
+            full = cute.arch.make_warp_uniform(cutlass.Int32(bits[n_block]) & FULL)
             if cutlass.const_expr(self.mask_only_tiles):
                 tile_state = self.mask_tile_state(mask_tiles, False)
                 if full == 0:
