@@ -85,6 +85,16 @@ _REGISTERS = {
 }
 
 
+def warp_uniform(state: pipeline.PipelineState) -> pipeline.PipelineState:
+    """A copy of a pipeline state marked the same in every lane (it is): without the mark, a
+    walk with a data-dependent branch (a mask's block bits) makes ptxas build the wgmma
+    descriptors of each stage per thread and move them to uniform registers per GEMM."""
+    return pipeline.PipelineState(
+        state.stages, state.count, cute.arch.make_warp_uniform(state.index),
+        cute.arch.make_warp_uniform(state.phase),
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Sm90FwdSpec:
     """One Hopper forward kernel variant: the compile key, tiling and launch facts."""
@@ -633,7 +643,8 @@ class FlashFwdSm90:
             round_pairs(acc_S, rP)
             n_block = self.prev_visible(bits, n_block - 1, n_block_min)
             while n_block >= n_block_min:
-                prev = state.clone()
+                prev = warp_uniform(state)
+                state = warp_uniform(state)
                 state.advance()
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 self.start_scores(scores, acc_S, views, pipe_tiles, pipe_bias, state)
