@@ -85,6 +85,16 @@ _REGISTERS = {
 }
 
 
+def warp_uniform(state: pipeline.PipelineState) -> pipeline.PipelineState:
+    """A copy of a pipeline state marked the same in every lane (it is): without the mark, a
+    walk with a data-dependent branch (a mask's block bits) makes ptxas build the wgmma
+    descriptors of each stage per thread and move them to uniform registers per GEMM."""
+    return pipeline.PipelineState(
+        state.stages, state.count, cute.arch.make_warp_uniform(state.index),
+        cute.arch.make_warp_uniform(state.phase),
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Sm90FwdSpec:
     """One Hopper forward kernel variant: the compile key, tiling and launch facts."""
@@ -165,6 +175,12 @@ class FlashFwdSm90:
         self.bias_row = spec.bias is not None and spec.bias.row_broadcast
         # tiles the producer copies with cp.async
         self.has_tiles = spec.mask is not None or (spec.bias is not None and not self.bias_tma)
+        # The cp.async stages hold the mask alone: a full block (its bits say every element is
+        # True) then takes no stage at all, so producer and consumers count their own stages
+        # over the blocks that are not full (mask_tile_state), and a fully True mask costs no
+        # handshake per block (with one, the producer's four warps polled the stage's empty
+        # barrier under the consumers' softmax).
+        self.mask_only_tiles = spec.mask is not None and (spec.bias is None or self.bias_tma)
         # The score accumulator starts from a bias tile unless the bias follows the softcap. A
         # query-broadcast bias is added after Q K^T (Scores.finish): its per-column copies into
         # the accumulator then sit off the consumers' path to their next GEMM issue, and the
@@ -433,6 +449,9 @@ class FlashFwdSm90:
                 else:
                     n_block -= 32
                     searching = n_block >= n_block_min
+            # the same for every lane (a ballot): said so, or the stage indices that follow
+            # look divergent to ptxas, which then builds the wgmma descriptors per thread
+            n_block = cute.arch.make_warp_uniform(n_block)
         return n_block
 
     @cute.jit
@@ -500,6 +519,7 @@ class FlashFwdSm90:
                 pipe_q.producer_acquire(q_state)
                 cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        mask_tiles = cutlass.Int32(0)  # mask stages filled so far (mask_only_tiles)
         n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
         while n_block >= n_block_min:
             # Bias and mask first: the consumers read the bias before the block's first GEMM,
@@ -512,7 +532,15 @@ class FlashFwdSm90:
                         tma_bias, tBgB[None, n_block], tBsB[None, state.index],
                         tma_bar_ptr=pipe_bias.producer_get_barrier(state),
                     )  # fmt: skip
-            if cutlass.const_expr(self.has_tiles):
+            if cutlass.const_expr(self.mask_only_tiles):
+                full = cute.arch.make_warp_uniform(cutlass.Int32(bits[n_block]) & FULL)
+                if full == 0:
+                    tile_state = self.mask_tile_state(mask_tiles, True)
+                    pipe_tiles.producer_acquire(tile_state)
+                    loads["mask"].load(n_block, tile_state.index)
+                    operands.tiles_landed(pipe_tiles, tile_state, spec.mask, None)
+                mask_tiles += 1 - full // FULL
+            elif cutlass.const_expr(self.has_tiles):
                 pipe_tiles.producer_acquire(state)
                 if cutlass.const_expr(spec.mask is not None):
                     if (cutlass.Int32(bits[n_block]) & FULL) == 0:
@@ -596,6 +624,7 @@ class FlashFwdSm90:
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             )
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
+        mask_tiles = cutlass.Int32(0)  # mask stages read so far (mask_only_tiles)
         n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
         if n_block >= n_block_min:
             # First block: S, its softmax, P (no P V yet: it waits for the next block's S).
@@ -606,15 +635,16 @@ class FlashFwdSm90:
                 tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], self.bias_first, 0
             )
             pipe_k.consumer_release(state)
-            self.finish_scores(
+            mask_tiles = self.finish_scores(
                 scores, acc_S, views, pipe_tiles, pipe_bias, state, bits, limits, tScS,
-                m_block, n_block,
+                m_block, n_block, mask_tiles,
             )  # fmt: skip
             softmax.probabilities(acc_S)  # O is still 0: nothing to rescale
             round_pairs(acc_S, rP)
             n_block = self.prev_visible(bits, n_block - 1, n_block_min)
             while n_block >= n_block_min:
-                prev = state.clone()
+                prev = warp_uniform(state)
+                state = warp_uniform(state)
                 state.advance()
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 self.start_scores(scores, acc_S, views, pipe_tiles, pipe_bias, state)
@@ -629,9 +659,9 @@ class FlashFwdSm90:
                 self.turn_pass(wg)
                 warpgroup.wait_group(1)  # S of this block is complete
                 pipe_k.consumer_release(state)
-                self.finish_scores(
+                mask_tiles = self.finish_scores(
                     scores, acc_S, views, pipe_tiles, pipe_bias, state, bits, limits, tScS,
-                    m_block, n_block,
+                    m_block, n_block, mask_tiles,
                 )  # fmt: skip
                 correction = softmax.probabilities(acc_S)
                 warpgroup.wait_group(0)  # P V of the previous block is complete: P, V are free
@@ -674,7 +704,7 @@ class FlashFwdSm90:
     def start_scores(self, scores, acc_S, views, pipe_tiles, pipe_bias, state):
         """acc_S before Q K^T: bias / scale once the stage's tiles have landed (bias first),
         else left for the GEMM to overwrite."""
-        if cutlass.const_expr(self.has_tiles and self.bias_first):
+        if cutlass.const_expr(self.has_tiles and self.bias_first and not self.mask_only_tiles):
             pipe_tiles.consumer_wait(state)
         if cutlass.const_expr(self.bias_tma and not self.bias_row):
             pipe_bias.consumer_wait(state)
@@ -695,11 +725,14 @@ class FlashFwdSm90:
         tScS,
         m_block,
         n_block,
+        mask_tiles,
     ):
         """acc_S after Q K^T: softcap, the bias after it, the mask tile (unless full), the
-        causal/window/length limits; then the stage's mask/bias tiles are released."""
+        causal/window/length limits; then the stage's mask/bias tiles are released. Returns
+        mask_tiles (the mask stages read so far, mask_only_tiles) after this block."""
         spec = self.spec
-        if cutlass.const_expr(self.has_tiles and not self.bias_first):
+        tiles_now = self.has_tiles and not self.mask_only_tiles
+        if cutlass.const_expr(tiles_now and not self.bias_first):
             pipe_tiles.consumer_wait(state)  # not waited for before Q K^T (start_scores)
         if cutlass.const_expr(self.bias_tma and self.bias_row):
             pipe_bias.consumer_wait(state)  # a bias row is added after Q K^T
@@ -707,21 +740,40 @@ class FlashFwdSm90:
         if cutlass.const_expr(spec.bias is not None):
             t_bias = views["bias"][None, None, None, state.index]
         full = cutlass.Int32(0)
+        tile_state = state
         if cutlass.const_expr(spec.mask is not None):
-            t_mask = views["mask"][None, None, None, state.index]
-            full = cutlass.Int32(bits[n_block]) & FULL
+            full = cute.arch.make_warp_uniform(cutlass.Int32(bits[n_block]) & FULL)
+            if cutlass.const_expr(self.mask_only_tiles):
+                tile_state = self.mask_tile_state(mask_tiles, False)
+                if full == 0:
+                    pipe_tiles.consumer_wait(tile_state)
+            t_mask = views["mask"][None, None, None, tile_state.index]
         scores.finish(
             acc_S, t_bias, t_mask, full, t_coord=tScS[None, None, None, n_block],
             row_offset=limits.seqlen_k - limits.seqlen_q,
         )  # fmt: skip
-        if cutlass.const_expr(self.has_tiles):
-            # every consumer thread arrives after its own reads of the tiles (release)
+        # every consumer thread arrives after its own reads of the tiles (release)
+        if cutlass.const_expr(self.mask_only_tiles):
+            if full == 0:
+                pipe_tiles.consumer_release(tile_state)
+            mask_tiles += 1 - full // FULL
+        elif cutlass.const_expr(self.has_tiles):
             pipe_tiles.consumer_release(state)
         if cutlass.const_expr(self.bias_tma):
             # one arrive per warp (PipelineTmaAsync); the warp's lanes have read the tile first
             cute.arch.sync_warp()
             pipe_bias.consumer_release(state)
         limits.apply(acc_S, tScS[None, None, None, n_block], m_block, n_block)
+        return mask_tiles
+
+    def mask_tile_state(self, used, producer: bool):
+        """The pipeline state of the mask stage after `used` of them (mask_only_tiles): stage
+        used % stages, its phase flipping every round (a producer's starts at 1)."""
+        st = self.stages
+        phase = (used // st) % 2
+        if producer:
+            phase = phase ^ 1
+        return pipeline.PipelineState(st, used, used % st, phase)
 
     @cute.jit
     def turn_wait(self, wg):
