@@ -173,14 +173,15 @@ class FlashFwdSm90:
         self.consumer_threads = self.num_threads - 128
         self.bias_tma = spec.bias is not None and spec.bias.tma_tiles
         self.bias_row = spec.bias is not None and spec.bias.row_broadcast
-        # tiles the producer copies with cp.async
-        self.has_tiles = spec.mask is not None or (spec.bias is not None and not self.bias_tma)
+        # tiles the producer copies with cp.async: the mask's, and a bias TMA cannot read
+        self.bias_tiles = spec.bias is not None and not self.bias_tma
+        self.has_tiles = spec.mask is not None or self.bias_tiles
         # The cp.async stages hold the mask alone: a full block (its bits say every element is
         # True) then takes no stage at all, so producer and consumers count their own stages
         # over the blocks that are not full (mask_tile_state), and a fully True mask costs no
         # handshake per block (with one, the producer's four warps polled the stage's empty
         # barrier under the consumers' softmax).
-        self.mask_only_tiles = spec.mask is not None and (spec.bias is None or self.bias_tma)
+        self.mask_only_tiles = spec.mask is not None and not self.bias_tiles
         # The score accumulator starts from a bias tile unless the bias follows the softcap. A
         # query-broadcast bias is added after Q K^T (Scores.finish): its per-column copies into
         # the accumulator then sit off the consumers' path to their next GEMM issue, and the
@@ -540,13 +541,12 @@ class FlashFwdSm90:
                     loads["mask"].load(n_block, tile_state.index)
                     operands.tiles_landed(pipe_tiles, tile_state, spec.mask, None)
                 mask_tiles += 1 - full // FULL
-            elif cutlass.const_expr(self.has_tiles):
+            elif cutlass.const_expr(self.bias_tiles):
                 pipe_tiles.producer_acquire(state)
                 if cutlass.const_expr(spec.mask is not None):
                     if (cutlass.Int32(bits[n_block]) & FULL) == 0:
                         loads["mask"].load(n_block, state.index)
-                if cutlass.const_expr("bias" in loads):
-                    loads["bias"].load(n_block, state.index)
+                loads["bias"].load(n_block, state.index)
                 operands.tiles_landed(pipe_tiles, state, spec.mask, spec.bias)
             if warp == 0:
                 pipe_k.producer_acquire(state)
@@ -601,7 +601,7 @@ class FlashFwdSm90:
             views["bias"] = thr_qk.partition_C(cute.make_tensor(sBias.iterator, row_view))
         elif cutlass.const_expr(self.bias_tma):
             views["bias"] = thr_qk.partition_C(sBias)
-        row_bias = spec.bias is not None and spec.bias.row_broadcast
+        row_bias = self.bias_row
         # a row bias without softcap: scores in log2 units, one FMA each (Scores.log2_units)
         log2_units = row_bias and not spec.has_softcap
         scores = Scores(
@@ -643,8 +643,8 @@ class FlashFwdSm90:
             round_pairs(acc_S, rP)
             n_block = self.prev_visible(bits, n_block - 1, n_block_min)
             while n_block >= n_block_min:
-                prev = warp_uniform(state)
                 state = warp_uniform(state)
+                prev = state.clone()
                 state.advance()
                 acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
                 self.start_scores(scores, acc_S, views, pipe_tiles, pipe_bias, state)
@@ -704,7 +704,7 @@ class FlashFwdSm90:
     def start_scores(self, scores, acc_S, views, pipe_tiles, pipe_bias, state):
         """acc_S before Q K^T: bias / scale once the stage's tiles have landed (bias first),
         else left for the GEMM to overwrite."""
-        if cutlass.const_expr(self.has_tiles and self.bias_first and not self.mask_only_tiles):
+        if cutlass.const_expr(self.bias_tiles and self.bias_first):
             pipe_tiles.consumer_wait(state)
         if cutlass.const_expr(self.bias_tma and not self.bias_row):
             pipe_bias.consumer_wait(state)
@@ -731,8 +731,7 @@ class FlashFwdSm90:
         causal/window/length limits; then the stage's mask/bias tiles are released. Returns
         mask_tiles (the mask stages read so far, mask_only_tiles) after this block."""
         spec = self.spec
-        tiles_now = self.has_tiles and not self.mask_only_tiles
-        if cutlass.const_expr(tiles_now and not self.bias_first):
+        if cutlass.const_expr(self.bias_tiles and not self.bias_first):
             pipe_tiles.consumer_wait(state)  # not waited for before Q K^T (start_scores)
         if cutlass.const_expr(self.bias_tma and self.bias_row):
             pipe_bias.consumer_wait(state)  # a bias row is added after Q K^T
@@ -757,7 +756,7 @@ class FlashFwdSm90:
             if full == 0:
                 pipe_tiles.consumer_release(tile_state)
             mask_tiles += 1 - full // FULL
-        elif cutlass.const_expr(self.has_tiles):
+        elif cutlass.const_expr(self.bias_tiles):
             pipe_tiles.consumer_release(state)
         if cutlass.const_expr(self.bias_tma):
             # one arrive per warp (PipelineTmaAsync); the warp's lanes have read the tile first
