@@ -167,3 +167,20 @@ def load_row_stats(mStats, mDpsum, coord, b, h, seqlen_q, has_bias: cutlass.Cons
             log2sum[r] = mStats[b, h, 1, row]
             dpsum[r] = mDpsum[b, h, row]
     return row_max, log2sum, dpsum
+
+
+@cute.jit
+def load_column_stat(stat_row, coord, seqlen_q, empty: cutlass.Constexpr[float]):
+    """One statistic per query column of a transposed score tile (S^T: rows are keys, coord
+    (key, query) in the accumulator layout): stat_row[query] of one (batch, head), `empty`
+    past Sq. The log2 row sums (stats[b, h, 1], without a bias) take +inf there, so P = 0;
+    dpsum 0."""
+    coord_mn = acc_mn_view(coord)
+    cols = cute.size(coord_mn.shape[1])
+    stat = cute.make_rmem_tensor(cols, cutlass.Float32)
+    for c in cutlass.range_constexpr(cols):
+        query = coord_mn[0, c][1]
+        stat[c] = empty
+        if query < seqlen_q:
+            stat[c] = stat_row[query]
+    return stat
