@@ -101,11 +101,15 @@ class BlockLimits:
         if needs and cutlass.const_expr(transposed):
             acc_mn = acc_mn_view(acc_s)
             coord_mn = acc_mn_view(t_coord)
+            # column c's query: c % 2 + 8 * (c // 2) after the first (wgmma accumulator), not
+            # read from t_coord per column (those are kept in registers, or spilled)
+            first = coord_mn[0, 0][1]
             for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
                 key_end = self.seqlen_k
                 key_begin = cutlass.Int32(0)
                 if cutlass.const_expr(self.has_window):
-                    diag_key = coord_mn[0, c][1] + self.seqlen_k - self.seqlen_q
+                    query = first + (c % 2 + 8 * (c // 2))
+                    diag_key = query + self.seqlen_k - self.seqlen_q
                     key_end = cutlass.min(key_end, diag_key + self.window_right + 1)
                     key_begin = diag_key - self.window_left
                 for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):

@@ -170,17 +170,20 @@ def load_row_stats(mStats, mDpsum, coord, b, h, seqlen_q, has_bias: cutlass.Cons
 
 
 @cute.jit
-def load_column_stat(stat_row, coord, seqlen_q, empty: cutlass.Constexpr[float]):
-    """One statistic per query column of a transposed score tile (S^T: rows are keys, coord
-    (key, query) in the accumulator layout): stat_row[query] of one (batch, head), `empty`
-    past Sq. The log2 row sums (stats[b, h, 1], without a bias) take +inf there, so P = 0;
-    dpsum 0."""
-    coord_mn = acc_mn_view(coord)
-    cols = cute.size(coord_mn.shape[1])
+def load_column_stat(
+    stat_row, first, seqlen_q, cols: cutlass.Constexpr[int], empty: cutlass.Constexpr[float]
+):
+    """One statistic per query column of a transposed score tile (S^T: rows are keys):
+    stat_row[query] of one (batch, head), `empty` past Sq. `first` is the query of the
+    thread's first column; in a wgmma accumulator column c lies c % 2 + 8 * (c // 2) after
+    it (two neighbouring columns per 8-column atom). The loads are unconditional (the index
+    clamped to Sq - 1), so they issue together. The log2 row sums (stats[b, h, 1], without a
+    bias) take +inf past Sq, so P = 0 there; dpsum 0."""
     stat = cute.make_rmem_tensor(cols, cutlass.Float32)
+    last = seqlen_q - 1
     for c in cutlass.range_constexpr(cols):
-        query = coord_mn[0, c][1]
-        stat[c] = empty
-        if query < seqlen_q:
-            stat[c] = stat_row[query]
+        query = first + (c % 2 + 8 * (c // 2))
+        stat[c] = stat_row[cutlass.min(query, last)]
+        if query > last:
+            stat[c] = empty
     return stat

@@ -831,7 +831,12 @@ class FlashBwdSm90:
             pipe_do=pipe_do, pipe_tiles=pipe_tiles, limits=limits, scale_log2=scale_log2,
             softcap=softcap, softmax_scale=softmax_scale, tidx=tidx, wg_dkv=wg_dkv,
         )  # fmt: skip
-        step = self.mma_step_transposed if self.transposed else self.mma_step
+        step = self.mma_step
+        if cutlass.const_expr(self.transposed):
+            # the query (in its block) of this thread's first S^T column
+            tile_coord = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+            mm.first_col = tile_coord[0, 0][1]
+            step = self.mma_step_transposed
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
@@ -972,12 +977,13 @@ class FlashBwdSm90:
         wgmma(mm.mma_sdp, acc_dP, mm.tdPrV, mm.tdPrdO[None, None, None, idx], False, -1)
         # the log2 row sums of this thread's query columns under the GEMMs, their dpsum
         # under the exp2s (16 registers each: not both held with P and dP)
-        seqlen_q = mm.limits.seqlen_q
+        seqlen_q, cols = mm.limits.seqlen_q, cute.size(acc_mn_view(acc_S).shape[1])
+        first = m_block * tm + mm.first_col
         log2sum = load_column_stat(
-            mm.mStats[walk.b, h, 1, None], coord, seqlen_q, cutlass.Float32.inf
+            mm.mStats[walk.b, h, 1, None], first, seqlen_q, cols, cutlass.Float32.inf
         )
         warpgroup.wait_group(1)  # S^T is complete
-        dpsum = load_column_stat(mm.mDpsum[walk.b, h, None], coord, seqlen_q, 0.0)
+        dpsum = load_column_stat(mm.mDpsum[walk.b, h, None], first, seqlen_q, cols, 0.0)
         mm.limits.apply(acc_S, coord, m_block, walk.n_block, transposed=True)
         acc_mn, dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
         for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
