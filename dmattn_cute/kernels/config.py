@@ -319,7 +319,8 @@ class Sm90BwdTile:
 
     transposed: the scores are computed as S^T = K Q^T (each warpgroup 64 keys), so P^T and
     dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q; only dS goes
-    through smem (for dQ), in one buffer per Q/dO stage."""
+    through smem (for dQ), in one buffer per Q/dO stage. Each query is then a column, and its
+    log2 row sum and dpsum come through smem stages too."""
 
     tile_m: int
     tile_n: int
@@ -358,6 +359,8 @@ def sm90_bwd_smem_buffers(
     ]
     if tile.transposed:  # P stays in registers; dS in one buffer per stage
         buffers.append(SmemBuffer("ds", tile.stages * tm * tn * elem_bytes, 1024))
+        # the log2 row sums and dpsum of each stage's query rows (fp32)
+        buffers.append(SmemBuffer("stats", tile.stages * 2 * tm * 4, 16))
     else:
         buffers.append(SmemBuffer("p", tm * tn * elem_bytes, 1024))
         buffers.append(SmemBuffer("ds", tm * tn * elem_bytes, 1024))

@@ -170,20 +170,13 @@ def load_row_stats(mStats, mDpsum, coord, b, h, seqlen_q, has_bias: cutlass.Cons
 
 
 @cute.jit
-def load_column_stat(
-    stat_row, first, seqlen_q, cols: cutlass.Constexpr[int], empty: cutlass.Constexpr[float]
-):
-    """One statistic per query column of a transposed score tile (S^T: rows are keys):
-    stat_row[query] of one (batch, head), `empty` past Sq. `first` is the query of the
-    thread's first column; in a wgmma accumulator column c lies c % 2 + 8 * (c // 2) after
-    it (two neighbouring columns per 8-column atom). The loads are unconditional (the index
-    clamped to Sq - 1), so they issue together. The log2 row sums (stats[b, h, 1], without a
-    bias) take +inf past Sq, so P = 0 there; dpsum 0."""
+def load_column_stat(stat_row, first, acc):
+    """One statistic per query column of the transposed score tile `acc` (S^T in a wgmma
+    accumulator: rows are keys) from stat_row, the (query in block) row of a stage in smem.
+    `first` is the thread's first column; column c of the accumulator lies c % 2 + 8 * (c //
+    2) after it (two neighbouring columns per 8-column atom)."""
+    cols = cute.size(acc_mn_view(acc).shape[1])
     stat = cute.make_rmem_tensor(cols, cutlass.Float32)
-    last = seqlen_q - 1
     for c in cutlass.range_constexpr(cols):
-        query = first + (c % 2 + 8 * (c // 2))
-        stat[c] = stat_row[cutlass.min(query, last)]
-        if query > last:
-            stat[c] = empty
+        stat[c] = stat_row[first + (c % 2 + 8 * (c // 2))]
     return stat

@@ -90,7 +90,7 @@ _DQ_READY = 4  # MMA warpgroups -> warp 1: this step's dQ is in sdQ
 _EPILOGUE = 5  # MMA warpgroups: every GEMM has read sK / sV; then dK / dV are in smem
 _DBIAS = 6  # MMA warpgroups: a head's dbias column sums are in (or read from) colsum
 _MMA_THREADS = 256
-_LOADER_THREADS = 64  # warps 2-3: mask and bias tiles
+_LOADER_THREADS = 64  # warps 2-3: mask and bias tiles, or the stats of transposed scores
 # Registers per thread (producer warpgroup, MMA warpgroups) after setmaxnreg.
 _REGISTERS = {False: (24, 240), True: (32, 232)}  # by: mask/bias tiles are loaded
 
@@ -503,6 +503,13 @@ class FlashBwdSm90:
             sP = tiles.swizzled_smem_tensor(smem["p"], self.dtype, sPdS_layout)
         sdS = tiles.swizzled_smem_tensor(smem["ds"], self.dtype, sPdS_layout)
         sdQ = tiles.swizzled_smem_tensor(smem["dq"], cutlass.Float32, sdQ_layout)
+        sStats = None  # transposed: (log2 row sum / dpsum, query row, stage)
+        if cutlass.const_expr(self.transposed):
+            sStats = tiles.smem_tensor(
+                smem["stats"],
+                cutlass.Float32,
+                cute.make_layout((2, tm, st), stride=(tm, 1, 2 * tm)),
+            )
         mbar = cute.recast_ptr(smem["mbar"][0], dtype=cutlass.Int64)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_THREADS // 32)
@@ -519,8 +526,8 @@ class FlashBwdSm90:
             barrier_storage=mbar + 2 + 2 * st, num_stages=st, producer_group=one_thread,
             consumer_group=mma_warps, tx_count=tm * dp * eb, defer_sync=True,
         )  # fmt: skip
-        pipe_tiles = None
-        if cutlass.const_expr(self.has_tiles):
+        pipe_tiles = None  # the mask/bias tiles, or the stats of transposed scores
+        if cutlass.const_expr(self.has_tiles or self.transposed):
             pipe_tiles = pipeline.PipelineCpAsync.create(
                 barrier_storage=mbar + 2 + 4 * st, num_stages=st,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _LOADER_THREADS),
@@ -552,10 +559,13 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.has_tiles):
                 if warp >= 2:
                     self.load_tiles(mMask, mBias, tile_smem, pipe_tiles, limits, walk)
+            if cutlass.const_expr(self.transposed):
+                if warp >= 2:
+                    self.load_stats(mStats, mDpsum, sStats, pipe_tiles, walk, seqlen_q)
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
             self.mma(
-                tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, smem, tile_smem, mStats,
+                tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, sStats, smem, tile_smem, mStats,
                 mDpsum, mdBias, tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, pipe_tiles, mma_sdp,
                 mma_dkv, mma_dq, limits, walk, scale_log2, bias_scale, softcap_scale, softcap,
                 softmax_scale, mSemKV,
@@ -667,6 +677,30 @@ class FlashBwdSm90:
         operands.tiles_landed(pipe_tiles, state, self.spec.mask, self.spec.bias)
 
     @cute.jit
+    def load_stats(self, mStats, mDpsum, sStats, pipe_stats, walk, seqlen_q):
+        """Warps 2-3 with transposed scores: the log2 row sums and dpsum of every step's query
+        rows into the next free stage, a row a thread (+inf and 0 past Sq, so P = 0 there),
+        published by each thread's arrive on the stage's full barrier (release)."""
+        tm = self.tile_m
+        row = cute.arch.thread_idx()[0] - 64
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
+            log2sums, dpsums = mStats[walk.b, h, 1, None], mDpsum[walk.b, h, None]
+            for seg in cutlass.range_constexpr(walk.segments):
+                lo, hi = walk.segment(seg)
+                for m_block in cutlass.range(lo, hi, unroll=1):
+                    query = m_block * tm + row
+                    log2sum = cutlass.Float32(cutlass.Float32.inf)
+                    dpsum = cutlass.Float32(0.0)
+                    if query < seqlen_q:
+                        log2sum, dpsum = log2sums[query], dpsums[query]
+                    pipe_stats.producer_acquire(state)
+                    sStats[0, row, state.index] = log2sum
+                    sStats[1, row, state.index] = dpsum
+                    cute.arch.mbarrier_arrive(pipe_stats.producer_get_barrier(state))
+                    state.advance()
+
+    @cute.jit
     def reduce_dq(self, tdQ, sdQ, tma_dq, walk, mSem):
         """Warp 1: every step's dQ tile (smem, fp32) added into the dQ accumulator by a TMA
         reduce-add; rows past Sq and columns past D are not written. Deterministic: each
@@ -731,7 +765,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def mma(
-        self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, smem, tile_smem, mStats, mDpsum,
+        self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, sStats, smem, tile_smem, mStats, mDpsum,
         mdBias, tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, pipe_tiles, mma_sdp, mma_dkv, mma_dq,
         limits, walk, scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, mSemKV,
     ):  # fmt: skip
@@ -830,6 +864,7 @@ class FlashBwdSm90:
             scores=scores, dbias=dbias, mStats=mStats, mDpsum=mDpsum, pipe_q=pipe_q,
             pipe_do=pipe_do, pipe_tiles=pipe_tiles, limits=limits, scale_log2=scale_log2,
             softcap=softcap, softmax_scale=softmax_scale, tidx=tidx, wg_dkv=wg_dkv,
+            sStats=sStats,
         )  # fmt: skip
         step = self.mma_step
         if cutlass.const_expr(self.transposed):
@@ -975,15 +1010,13 @@ class FlashBwdSm90:
         wgmma(mm.mma_sdp, acc_S, mm.tSrK, mm.tSrQ[None, None, None, idx], False, -1)
         mm.pipe_do.consumer_wait(state)
         wgmma(mm.mma_sdp, acc_dP, mm.tdPrV, mm.tdPrdO[None, None, None, idx], False, -1)
-        # the log2 row sums of this thread's query columns under the GEMMs, their dpsum
-        # under the exp2s (16 registers each: not both held with P and dP)
-        seqlen_q, cols = mm.limits.seqlen_q, cute.size(acc_mn_view(acc_S).shape[1])
-        first = m_block * tm + mm.first_col
-        log2sum = load_column_stat(
-            mm.mStats[walk.b, h, 1, None], first, seqlen_q, cols, cutlass.Float32.inf
-        )
+        # the log2 row sums of this thread's query columns (smem) under the GEMMs, their
+        # dpsum after S^T (16 registers each: not both held with P and dP)
+        mm.pipe_tiles.consumer_wait(state)
+        log2sum = load_column_stat(mm.sStats[0, None, idx], mm.first_col, acc_S)
         warpgroup.wait_group(1)  # S^T is complete
-        dpsum = load_column_stat(mm.mDpsum[walk.b, h, None], first, seqlen_q, cols, 0.0)
+        dpsum = load_column_stat(mm.sStats[1, None, idx], mm.first_col, acc_S)
+        mm.pipe_tiles.consumer_release(state)
         mm.limits.apply(acc_S, coord, m_block, walk.n_block, transposed=True)
         acc_mn, dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
         for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
