@@ -389,9 +389,9 @@ def sm90_bwd_tile(
     stages when they fit, else one (ValueError when that does not fit either). Transposed
     scores (S^T, see Sm90BwdTile) for 64 x 128 tiles of two stages without mask, bias or
     softcap."""
-    tile_m = 128 if head_dim_padded <= 64 and mask is None and bias is None else 64
-    tile_n = 128 if head_dim_padded <= 128 else 64
     plain = mask is None and bias is None and not softcap
+    tile_m = 128 if head_dim_padded <= 64 and mask is None and bias is None and not plain else 64
+    tile_n = 128 if head_dim_padded <= 128 else 64
     for stages in (2, 1):
         transposed = plain and (tile_m, tile_n, stages) == (64, 128, 2)
         tile = Sm90BwdTile(tile_m, tile_n, stages, transposed)
