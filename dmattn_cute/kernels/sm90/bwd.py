@@ -17,7 +17,7 @@ the same visible query blocks, a full one loads and applies no mask tile. Four r
   memory with a TMA reduce-add (no per-thread atomics).
 - warps 2-3: the step's mask and bias tiles by predicated cp.async (any view: broadcast dims,
   odd strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
-  copies land.
+  copies land; with transposed scores (below) instead the step's log2 row sums and dpsum.
 - two MMA warpgroups: per step S = bias / scale + Q K^T (a query-broadcast bias added after
   Q K^T) and dP = dO V^T by wgmma (each warpgroup half of the keys), the softcap, mask and
   causal/window limits, P = exp(S - lse)
@@ -27,6 +27,14 @@ the same visible query blocks, a full one loads and applies no mask tile. Four r
   warpgroup half of the columns). Epilogue: dK (times the softmax scale) and dV through smem
   over sK / sV, stored by TMA (with split_heads: one after the other as fp32 tiles over sK and
   sV, added by TMA reduce-add).
+
+Transposed scores (Sm90BwdTile.transposed: 64 x 128 tiles without mask, bias or softcap, as
+FA3/FA4's SdP_swapAB): each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys,
+so P^T and dS^T stay in registers as the A operands of its dV += P^T dO and dK += dS^T Q (no
+P in smem, no barrier before dV and dK); only dS is written, as dS, by stmatrix.trans into its
+stage's buffer for dQ = dS K. A query is then a column: its log2 row sum and dpsum come
+through smem stages from warps 2-3 (read from global memory in the softmax, their latency
+stalled it).
 
 Shared memory and the order that protects it:
 - mbar: full/empty mbarriers of the K/V, Q, dO and mask/bias pipelines, initialized before the
@@ -42,7 +50,14 @@ Shared memory and the order that protects it:
 - sP, sdS: one tile each, written by both MMA warpgroups and read by both (dQ needs every key,
   and with 64-key blocks so do dK and dV). Barrier "P/dS free" (before the writes: every
   warpgroup's GEMMs of the previous step have completed) and barrier "P/dS ready" (after the
-  writes and the proxy fence, before the GEMMs) order them.
+  writes and the proxy fence, before the GEMMs) order them. Transposed scores: no sP, and one
+  sdS per Q/dO stage, written after the dV GEMM is issued, read by both warpgroups' dQ GEMM
+  after barrier "P/dS ready"; a stage's sdS is rewritten two steps later, after the "P/dS
+  ready" of the step between, which each warpgroup passes only after its own dQ GEMM of the
+  step before has completed.
+- stats stages (transposed scores): filled by warps 2-3 after the stage's empty barrier (one
+  arrive per thread, with release semantics), read by the MMA warpgroups after its full
+  barrier and released after the dpsum reads (one arrive per MMA thread).
 - sdQ: written by the MMA warpgroups after barrier "dQ free" (warp 1 arrives once its previous
   reduce has read the tile), read by warp 1's TMA reduce after barrier "dQ ready" (the MMA
   warpgroups arrive after their writes and the proxy fence).
