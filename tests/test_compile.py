@@ -338,6 +338,12 @@ def test_hopper_bwd_compiles(head_dim, dtype, mask, bias, dbias, window, softcap
     assert ("ld.acquire.gpu" in ptx and "st.release.gpu" in ptx) == det
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx
+    # transposed scores without mask, bias or softcap up to head dim 128: P^T and dS^T are
+    # register A operands (braces after the accumulator's), dS goes to smem by stmatrix.trans
+    transposed = mask is None and bias is None and not softcap and head_dim <= 128
+    assert spec.tile.transposed == transposed
+    assert bool(re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{", ptx)) == transposed
+    assert ("stmatrix.sync.aligned.m8n8.x4.trans" in ptx) == transposed
 
 
 # (mask, tile_m, tile_n, a regex of its loads in the PTX): 16-byte rows, a query-broadcast row

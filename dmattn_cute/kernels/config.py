@@ -315,11 +315,17 @@ def sm90_fwd_tile(
 @dataclass(frozen=True)
 class Sm90BwdTile:
     """Compile-time tiling of one Hopper backward CTA: a producer warpgroup and two MMA
-    warpgroups; tile_n keys owned, tile_m query rows per step, `stages` Q/dO stages."""
+    warpgroups; tile_n keys owned, tile_m query rows per step, `stages` Q/dO stages.
+
+    transposed: the scores are computed as S^T = K Q^T (each warpgroup 64 keys), so P^T and
+    dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q; only dS goes
+    through smem (for dQ), in one buffer per Q/dO stage. Each query is then a column, and its
+    log2 row sum and dpsum come through smem stages too."""
 
     tile_m: int
     tile_n: int
     stages: int
+    transposed: bool = False
 
     num_threads = 384
 
@@ -350,10 +356,15 @@ def sm90_bwd_smem_buffers(
         SmemBuffer("kv", 2 * tn * dp * elem_bytes, 1024),
         SmemBuffer("q", qdo_bytes, 1024),
         SmemBuffer("do", qdo_bytes, 1024),
-        SmemBuffer("p", tm * tn * elem_bytes, 1024),
-        SmemBuffer("ds", tm * tn * elem_bytes, 1024),
-        SmemBuffer("dq", tm * dp * 4, 1024),
     ]
+    if tile.transposed:  # P stays in registers; dS in one buffer per stage
+        buffers.append(SmemBuffer("ds", tile.stages * tm * tn * elem_bytes, 1024))
+        # the log2 row sums and dpsum of each stage's query rows (fp32)
+        buffers.append(SmemBuffer("stats", tile.stages * 2 * tm * 4, 16))
+    else:
+        buffers.append(SmemBuffer("p", tm * tn * elem_bytes, 1024))
+        buffers.append(SmemBuffer("ds", tm * tn * elem_bytes, 1024))
+    buffers.append(SmemBuffer("dq", tm * dp * 4, 1024))
     for name, operand in (("mask", mask), ("bias", bias)):
         if operand is not None:
             rows = 1 if operand.row_broadcast else tm
@@ -370,15 +381,20 @@ def sm90_bwd_tile(
     elem_bytes: int,
     mask: SmemOperand | None = None,
     bias: SmemOperand | None = None,
+    softcap: bool = False,
 ) -> Sm90BwdTile:
     """The Hopper backward tiling: 128 query rows per step up to head dim 64 without mask or
     bias tiles (reading those in the accumulator layout needs the registers), else 64; 128
     keys up to head dim 128, else 64 (dK and dV then split by columns); two Q/dO/mask/bias
-    stages when they fit, else one (ValueError when that does not fit either)."""
-    tile_m = 128 if head_dim_padded <= 64 and mask is None and bias is None else 64
+    stages when they fit, else one (ValueError when that does not fit either). Transposed
+    scores (S^T, see Sm90BwdTile) for 64 x 128 tiles of two stages without mask, bias or
+    softcap."""
+    plain = mask is None and bias is None and not softcap
+    tile_m = 128 if head_dim_padded <= 64 and mask is None and bias is None and not plain else 64
     tile_n = 128 if head_dim_padded <= 128 else 64
     for stages in (2, 1):
-        tile = Sm90BwdTile(tile_m, tile_n, stages)
+        transposed = plain and (tile_m, tile_n, stages) == (64, 128, 2)
+        tile = Sm90BwdTile(tile_m, tile_n, stages, transposed)
         buffers = sm90_bwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
         if smem_total(buffers) <= smem_capacity(arch):
             return tile

@@ -84,9 +84,13 @@ class BlockLimits:
         return m_block_min, m_block_max
 
     @cute.jit
-    def apply(self, acc_s: cute.Tensor, t_coord: cute.Tensor, m_block, n_block):
+    def apply(
+        self, acc_s: cute.Tensor, t_coord: cute.Tensor, m_block, n_block,
+        transposed: cutlass.Constexpr[bool] = False,
+    ):  # fmt: skip
         """Scores of block (m_block, n_block) past Sk or outside the window become -inf
-        (t_coord: (row, col) of each element of acc_s); blocks wholly inside are left alone."""
+        (t_coord: (row, col) of each element of acc_s; transposed: acc_s holds S^T, rows are
+        keys and t_coord (key, query)); blocks wholly inside are left alone."""
         needs = (n_block + 1) * self.tile_n > self.seqlen_k
         if cutlass.const_expr(self.has_window):
             diag = self.seqlen_k - self.seqlen_q
@@ -94,7 +98,25 @@ class BlockLimits:
             row_last = row_first + self.tile_m - 1
             needs = needs | ((n_block + 1) * self.tile_n - 1 > row_first + diag + self.window_right)
             needs = needs | (n_block * self.tile_n < row_last + diag - self.window_left)
-        if needs:
+        if needs and cutlass.const_expr(transposed):
+            acc_mn = acc_mn_view(acc_s)
+            coord_mn = acc_mn_view(t_coord)
+            # column c's query: c % 2 + 8 * (c // 2) after the first (wgmma accumulator), not
+            # read from t_coord per column (those are kept in registers, or spilled)
+            first = coord_mn[0, 0][1]
+            for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                key_end = self.seqlen_k
+                key_begin = cutlass.Int32(0)
+                if cutlass.const_expr(self.has_window):
+                    query = first + (c % 2 + 8 * (c // 2))
+                    diag_key = query + self.seqlen_k - self.seqlen_q
+                    key_end = cutlass.min(key_end, diag_key + self.window_right + 1)
+                    key_begin = diag_key - self.window_left
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                    key = coord_mn[r, 0][0]
+                    if key >= key_end or key < key_begin:
+                        acc_mn[r, c] = -cutlass.Float32.inf
+        elif needs:
             acc_mn = acc_mn_view(acc_s)
             coord_mn = acc_mn_view(t_coord)
             for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):

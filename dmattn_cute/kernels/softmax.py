@@ -167,3 +167,16 @@ def load_row_stats(mStats, mDpsum, coord, b, h, seqlen_q, has_bias: cutlass.Cons
             log2sum[r] = mStats[b, h, 1, row]
             dpsum[r] = mDpsum[b, h, row]
     return row_max, log2sum, dpsum
+
+
+@cute.jit
+def load_column_stat(stat_row, first, acc):
+    """One statistic per query column of the transposed score tile `acc` (S^T in a wgmma
+    accumulator: rows are keys) from stat_row, the (query in block) row of a stage in smem.
+    `first` is the thread's first column; column c of the accumulator lies c % 2 + 8 * (c //
+    2) after it (two neighbouring columns per 8-column atom)."""
+    cols = cute.size(acc_mn_view(acc).shape[1])
+    stat = cute.make_rmem_tensor(cols, cutlass.Float32)
+    for c in cutlass.range_constexpr(cols):
+        stat[c] = stat_row[first + (c % 2 + 8 * (c // 2))]
+    return stat

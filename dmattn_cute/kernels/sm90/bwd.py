@@ -17,7 +17,7 @@ the same visible query blocks, a full one loads and applies no mask tile. Four r
   memory with a TMA reduce-add (no per-thread atomics).
 - warps 2-3: the step's mask and bias tiles by predicated cp.async (any view: broadcast dims,
   odd strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
-  copies land.
+  copies land; with transposed scores (below) instead the step's log2 row sums and dpsum.
 - two MMA warpgroups: per step S = bias / scale + Q K^T (a query-broadcast bias added after
   Q K^T) and dP = dO V^T by wgmma (each warpgroup half of the keys), the softcap, mask and
   causal/window limits, P = exp(S - lse)
@@ -27,6 +27,14 @@ the same visible query blocks, a full one loads and applies no mask tile. Four r
   warpgroup half of the columns). Epilogue: dK (times the softmax scale) and dV through smem
   over sK / sV, stored by TMA (with split_heads: one after the other as fp32 tiles over sK and
   sV, added by TMA reduce-add).
+
+Transposed scores (Sm90BwdTile.transposed: 64 x 128 tiles without mask, bias or softcap, as
+FA3/FA4's SdP_swapAB): each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys,
+so P^T and dS^T stay in registers as the A operands of its dV += P^T dO and dK += dS^T Q (no
+P in smem, no barrier before dV and dK); only dS is written, as dS, by stmatrix.trans into its
+stage's buffer for dQ = dS K. A query is then a column: its log2 row sum and dpsum come
+through smem stages from warps 2-3 (read from global memory in the softmax, their latency
+stalled it).
 
 Shared memory and the order that protects it:
 - mbar: full/empty mbarriers of the K/V, Q, dO and mask/bias pipelines, initialized before the
@@ -42,7 +50,14 @@ Shared memory and the order that protects it:
 - sP, sdS: one tile each, written by both MMA warpgroups and read by both (dQ needs every key,
   and with 64-key blocks so do dK and dV). Barrier "P/dS free" (before the writes: every
   warpgroup's GEMMs of the previous step have completed) and barrier "P/dS ready" (after the
-  writes and the proxy fence, before the GEMMs) order them.
+  writes and the proxy fence, before the GEMMs) order them. Transposed scores: no sP, and one
+  sdS per Q/dO stage, written after the dV GEMM is issued, read by both warpgroups' dQ GEMM
+  after barrier "P/dS ready"; a stage's sdS is rewritten two steps later, after the "P/dS
+  ready" of the step between, which each warpgroup passes only after its own dQ GEMM of the
+  step before has completed.
+- stats stages (transposed scores): filled by warps 2-3 after the stage's empty barrier (one
+  arrive per thread, with release semantics), read by the MMA warpgroups after its full
+  barrier and released after the dpsum reads (one arrive per MMA thread).
 - sdQ: written by the MMA warpgroups after barrier "dQ free" (warp 1 arrives once its previous
   reduce has read the tile), read by warp 1's TMA reduce after barrier "dQ ready" (the MMA
   warpgroups arrive after their writes and the proxy fence).
@@ -76,10 +91,10 @@ from ..config import (
 from ..dbias import DbiasWriter
 from ..masking import FULL, VISIBLE
 from ..scores import Scores
-from ..softmax import load_row_stats
+from ..softmax import load_column_stat, load_row_stats
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from ..turns import DqTurns
-from ..utils import acc_mn_view
+from ..utils import acc_as_a_operand, acc_mn_view, round_pairs
 from .wgmma import smem_layout, wgmma
 
 # Named barriers (0 is the CTA-wide one).
@@ -90,7 +105,7 @@ _DQ_READY = 4  # MMA warpgroups -> warp 1: this step's dQ is in sdQ
 _EPILOGUE = 5  # MMA warpgroups: every GEMM has read sK / sV; then dK / dV are in smem
 _DBIAS = 6  # MMA warpgroups: a head's dbias column sums are in (or read from) colsum
 _MMA_THREADS = 256
-_LOADER_THREADS = 64  # warps 2-3: mask and bias tiles
+_LOADER_THREADS = 64  # warps 2-3: mask and bias tiles, or the stats of transposed scores
 # Registers per thread (producer warpgroup, MMA warpgroups) after setmaxnreg.
 _REGISTERS = {False: (24, 240), True: (32, 232)}  # by: mask/bias tiles are loaded
 
@@ -139,7 +154,7 @@ class Sm90BwdSpec:
             raise ValueError("Hopper backward: a deterministic order takes a stored dbias")
         dp = padded_head_dim(head_dim)
         smem = [None if op is None else op.smem() for op in (mask, bias)]
-        tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype), *smem)
+        tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype), *smem, has_softcap)
         return Sm90BwdSpec(
             dtype, dp, tile, mask, bias, dbias, has_window, has_softcap, split_heads,
             deterministic,
@@ -185,10 +200,12 @@ class Sm90BwdSpec:
         )
 
 
-def _tiled_mma(dtype, a_major, b_major, atoms, n: int):
+def _tiled_mma(dtype, a_major, b_major, atoms, n: int, rmem_a: bool = False):
+    source = warpgroup.OperandSource.RMEM if rmem_a else warpgroup.OperandSource.SMEM
     return hopper.make_trivial_tiled_mma(
-        dtype, dtype, a_major, b_major, cutlass.Float32, atom_layout_mnk=atoms, tiler_mn=(64, n)
-    )
+        dtype, dtype, a_major, b_major, cutlass.Float32, atom_layout_mnk=atoms,
+        tiler_mn=(64, n), a_source=source,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -289,6 +306,7 @@ class FlashBwdSm90:
         self.stages = spec.tile.stages
         self.head_dim_padded = spec.head_dim_padded
         self.split_keys = spec.tile.dkv_split_keys
+        self.transposed = spec.tile.transposed
         self.has_tiles = spec.mask is not None or spec.bias is not None
         # The score accumulator starts from the bias unless the bias follows the softcap or
         # is one row (query-broadcast): that one is added after Q K^T, each column scaled once,
@@ -337,10 +355,17 @@ class FlashBwdSm90:
         # dK/dV warpgroups: by keys (each 64 rows, whole D) or by columns (each D / 2)
         dkv_atoms = (2, 1, 1) if cutlass.const_expr(self.split_keys) else (1, 2, 1)
         dkv_n = dp if cutlass.const_expr(self.split_keys) else dp // 2
-        # S = Q K^T, dP = dO V^T: each warpgroup half of the keys
-        mma_sdp = _tiled_mma(self.dtype, K_MAJOR, K_MAJOR, (1, 2, 1), tn // 2)
-        # dV = P^T dO, dK = dS^T Q: A (keys x queries) and B (D x queries) read transposed
-        mma_dkv = _tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, dkv_atoms, dkv_n)
+        if cutlass.const_expr(self.transposed):
+            # S^T = K Q^T, dP^T = V dO^T: each warpgroup 64 keys
+            mma_sdp = _tiled_mma(self.dtype, K_MAJOR, K_MAJOR, (2, 1, 1), tm)
+            # dV = P^T dO, dK = dS^T Q: A from the registers of S^T's warpgroup, B read
+            # transposed
+            mma_dkv = _tiled_mma(self.dtype, K_MAJOR, MN_MAJOR, dkv_atoms, dkv_n, rmem_a=True)
+        else:
+            # S = Q K^T, dP = dO V^T: each warpgroup half of the keys
+            mma_sdp = _tiled_mma(self.dtype, K_MAJOR, K_MAJOR, (1, 2, 1), tn // 2)
+            # dV = P^T dO, dK = dS^T Q: A (keys x queries) and B (D x queries) read transposed
+            mma_dkv = _tiled_mma(self.dtype, MN_MAJOR, MN_MAJOR, dkv_atoms, dkv_n)
         # dQ = dS K: each warpgroup half of the columns; B (D x keys) read transposed
         mma_dq = _tiled_mma(self.dtype, K_MAJOR, MN_MAJOR, (1, 2, 1), dp // 2)
 
@@ -349,7 +374,9 @@ class FlashBwdSm90:
         sQ_layout = smem_layout(self.dtype, tm, dp, st, major=dkv_n)
         sK_layout = smem_layout(self.dtype, tn, dp, major=dp // 2)
         sV_layout = smem_layout(self.dtype, tn, dp, major=dkv_n)
-        sPdS_layout = smem_layout(self.dtype, tm, tn, major=64)
+        sPdS_layout = smem_layout(
+            self.dtype, tm, tn, st if cutlass.const_expr(self.transposed) else None, major=64
+        )
         sdQ_layout = smem_layout(cutlass.Float32, tm, dp, major=dp // 2)
         # dK / dV partial sums (split_heads): fp32 over sK and sV, stored as the GEMM splits them
         sKV32_layout = smem_layout(cutlass.Float32, tn, dp, major=dkv_n)
@@ -486,9 +513,18 @@ class FlashBwdSm90:
         sKV32 = None
         if cutlass.const_expr(spec.split_heads):
             sKV32 = tiles.swizzled_smem_tensor(smem["kv"], cutlass.Float32, sKV32_layout)
-        sP = tiles.swizzled_smem_tensor(smem["p"], self.dtype, sPdS_layout)
+        sP = None
+        if cutlass.const_expr(not self.transposed):
+            sP = tiles.swizzled_smem_tensor(smem["p"], self.dtype, sPdS_layout)
         sdS = tiles.swizzled_smem_tensor(smem["ds"], self.dtype, sPdS_layout)
         sdQ = tiles.swizzled_smem_tensor(smem["dq"], cutlass.Float32, sdQ_layout)
+        sStats = None  # transposed: (log2 row sum / dpsum, query row, stage)
+        if cutlass.const_expr(self.transposed):
+            sStats = tiles.smem_tensor(
+                smem["stats"],
+                cutlass.Float32,
+                cute.make_layout((2, tm, st), stride=(tm, 1, 2 * tm)),
+            )
         mbar = cute.recast_ptr(smem["mbar"][0], dtype=cutlass.Int64)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_THREADS // 32)
@@ -505,8 +541,8 @@ class FlashBwdSm90:
             barrier_storage=mbar + 2 + 2 * st, num_stages=st, producer_group=one_thread,
             consumer_group=mma_warps, tx_count=tm * dp * eb, defer_sync=True,
         )  # fmt: skip
-        pipe_tiles = None
-        if cutlass.const_expr(self.has_tiles):
+        pipe_tiles = None  # the mask/bias tiles, or the stats of transposed scores
+        if cutlass.const_expr(self.has_tiles or self.transposed):
             pipe_tiles = pipeline.PipelineCpAsync.create(
                 barrier_storage=mbar + 2 + 4 * st, num_stages=st,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _LOADER_THREADS),
@@ -538,10 +574,13 @@ class FlashBwdSm90:
             if cutlass.const_expr(self.has_tiles):
                 if warp >= 2:
                     self.load_tiles(mMask, mBias, tile_smem, pipe_tiles, limits, walk)
+            if cutlass.const_expr(self.transposed):
+                if warp >= 2:
+                    self.load_stats(mStats, mDpsum, sStats, pipe_tiles, walk, seqlen_q)
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
             self.mma(
-                tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, smem, tile_smem, mStats,
+                tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, sStats, smem, tile_smem, mStats,
                 mDpsum, mdBias, tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, pipe_tiles, mma_sdp,
                 mma_dkv, mma_dq, limits, walk, scale_log2, bias_scale, softcap_scale, softcap,
                 softmax_scale, mSemKV,
@@ -653,6 +692,30 @@ class FlashBwdSm90:
         operands.tiles_landed(pipe_tiles, state, self.spec.mask, self.spec.bias)
 
     @cute.jit
+    def load_stats(self, mStats, mDpsum, sStats, pipe_stats, walk, seqlen_q):
+        """Warps 2-3 with transposed scores: the log2 row sums and dpsum of every step's query
+        rows into the next free stage, a row a thread (+inf and 0 past Sq, so P = 0 there),
+        published by each thread's arrive on the stage's full barrier (release)."""
+        tm = self.tile_m
+        row = cute.arch.thread_idx()[0] - 64
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
+            log2sums, dpsums = mStats[walk.b, h, 1, None], mDpsum[walk.b, h, None]
+            for seg in cutlass.range_constexpr(walk.segments):
+                lo, hi = walk.segment(seg)
+                for m_block in cutlass.range(lo, hi, unroll=1):
+                    query = m_block * tm + row
+                    log2sum = cutlass.Float32(cutlass.Float32.inf)
+                    dpsum = cutlass.Float32(0.0)
+                    if query < seqlen_q:
+                        log2sum, dpsum = log2sums[query], dpsums[query]
+                    pipe_stats.producer_acquire(state)
+                    sStats[0, row, state.index] = log2sum
+                    sStats[1, row, state.index] = dpsum
+                    cute.arch.mbarrier_arrive(pipe_stats.producer_get_barrier(state))
+                    state.advance()
+
+    @cute.jit
     def reduce_dq(self, tdQ, sdQ, tma_dq, walk, mSem):
         """Warp 1: every step's dQ tile (smem, fp32) added into the dQ accumulator by a TMA
         reduce-add; rows past Sq and columns past D are not written. Deterministic: each
@@ -717,7 +780,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def mma(
-        self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, smem, tile_smem, mStats, mDpsum,
+        self, tdK, tdV, sQ, sK, sV, sdO, sP, sdS, sdQ, sKV32, sStats, smem, tile_smem, mStats, mDpsum,
         mdBias, tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, pipe_tiles, mma_sdp, mma_dkv, mma_dq,
         limits, walk, scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, mSemKV,
     ):  # fmt: skip
@@ -733,17 +796,27 @@ class FlashBwdSm90:
         wg_sdp = mma_sdp.get_slice(wg * 128)
         wg_dkv = mma_dkv.get_slice(wg * 128)
         wg_dq = mma_dq.get_slice(wg * 128)
-        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
-        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
-        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
-        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
-        tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(tiles.transposed(sP, tm, tn)))
+        if cutlass.const_expr(self.transposed):
+            # S^T and dP^T: K and V are the A operands, Q and dO (staged) the B ones; P^T and
+            # dS^T are the A operands of dV and dK in registers, each step
+            tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+            tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+            tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+            tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+            tdVrPt = tdKrdSt = None
+            s_shape = wg_sdp.partition_shape_C((tn, tm))
+        else:
+            tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+            tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+            tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+            tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+            tdVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(tiles.transposed(sP, tm, tn)))
+            tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(tiles.transposed(sdS, tm, tn)))
+            s_shape = wg_sdp.partition_shape_C((tm, tn))
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(tiles.transposed(sdO, tm, dp, st)))
-        tdKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(tiles.transposed(sdS, tm, tn)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(tiles.transposed(sQ, tm, dp, st)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(tiles.transposed(sK, tn, dp)))
-        s_shape = wg_sdp.partition_shape_C((tm, tn))
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, dp)), cutlass.Float32)
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, dp)), cutlass.Float32)
         acc_dK.fill(0.0)
@@ -751,20 +824,35 @@ class FlashBwdSm90:
         # P and dS (rmem -> smem), dQ (rmem -> smem, fp32)
         r2s = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
         # P and dS by stmatrix: four 8x8 matrices per instruction, few smem addresses to keep
-        stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        # (transposed: dS^T written as dS, stmatrix.trans into the (keys, queries) view)
+        stsm = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.transposed, 4), self.dtype
+        )
         r2s_sdp = cute.make_tiled_copy_C(stsm, mma_sdp).get_slice(tidx)
-        tPsP = r2s_sdp.partition_D(sP)
-        tdSsdS = r2s_sdp.partition_D(sdS)
+        tPsP = None
+        if cutlass.const_expr(self.transposed):
+            tdSsdS = r2s_sdp.partition_D(tiles.transposed(sdS, tm, tn, st))
+        else:
+            tPsP = r2s_sdp.partition_D(sP)
+            tdSsdS = r2s_sdp.partition_D(sdS)
         r2s_f32 = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=64
         )
-        # (row, col) of every score this thread holds, per query block
-        tScS = thr_sdp.partition_C(
-            cute.local_tile(
-                cute.make_identity_tensor((limits.seqlen_q, limits.seqlen_k)), (tm, tn),
-                (None, n_block),
-            )
-        )  # fmt: skip
+        # (row, col) of every score this thread holds, per query block ((key, query) of S^T)
+        if cutlass.const_expr(self.transposed):
+            tScS = thr_sdp.partition_C(
+                cute.local_tile(
+                    cute.make_identity_tensor((limits.seqlen_k, limits.seqlen_q)), (tn, tm),
+                    (n_block, None),
+                )
+            )  # fmt: skip
+        else:
+            tScS = thr_sdp.partition_C(
+                cute.local_tile(
+                    cute.make_identity_tensor((limits.seqlen_q, limits.seqlen_k)), (tm, tn),
+                    (None, n_block),
+                )
+            )  # fmt: skip
         views = {name: thr_sdp.partition_C(tile_smem[name][1]) for name in tile_smem}
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
@@ -790,8 +878,15 @@ class FlashBwdSm90:
             tPsP=tPsP, tdSsdS=tdSsdS, r2s_f32=r2s_f32, sdQ=sdQ, tScS=tScS, views=views,
             scores=scores, dbias=dbias, mStats=mStats, mDpsum=mDpsum, pipe_q=pipe_q,
             pipe_do=pipe_do, pipe_tiles=pipe_tiles, limits=limits, scale_log2=scale_log2,
-            softcap=softcap, softmax_scale=softmax_scale, tidx=tidx,
+            softcap=softcap, softmax_scale=softmax_scale, tidx=tidx, wg_dkv=wg_dkv,
+            sStats=sStats,
         )  # fmt: skip
+        step = self.mma_step
+        if cutlass.const_expr(self.transposed):
+            # the query (in its block) of this thread's first S^T column
+            tile_coord = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+            mm.first_col = tile_coord[0, 0][1]
+            step = self.mma_step_transposed
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
@@ -801,13 +896,13 @@ class FlashBwdSm90:
                 lo, hi = walk.segment(seg)
                 if cutlass.const_expr(walk.mBits is None):
                     for m_block in cutlass.range(lo, hi, unroll=1):
-                        self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
+                        step(mm, walk, h, m_block, state, acc_dK, acc_dV)
                         state.advance()
                         steps += 1
                 else:
                     m_block = walk.next_visible(h, lo, hi)
                     while m_block < hi:
-                        self.mma_step(mm, walk, h, m_block, state, acc_dK, acc_dV)
+                        step(mm, walk, h, m_block, state, acc_dK, acc_dV)
                         state.advance()
                         steps += 1
                         m_block = walk.next_visible(h, m_block + 1, hi)
@@ -912,6 +1007,67 @@ class FlashBwdSm90:
         tiles.acc_to_smem(acc_dQ, cutlass.Float32, mm.r2s_f32, mm.mma_dq, mm.tidx, mm.sdQ)
         cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the TMA
         cute.arch.barrier_arrive(barrier_id=_DQ_READY, number_of_threads=_MMA_THREADS + 32)
+
+    @cute.jit
+    def mma_step_transposed(self, mm, walk, h, m_block, state, acc_dK, acc_dV):
+        """mma_step with transposed scores (no mask, bias or softcap): S^T = K Q^T and
+        dP^T = V dO^T, P^T and dS^T in registers as the A operands of dV += P^T dO and
+        dK += dS^T Q; dS^T to its stage's smem buffer (as dS) for dQ = dS K.
+
+        The dS buffer of a stage is rewritten two steps later, after barrier "P/dS ready" of
+        the step between: both warpgroups have then completed the dQ GEMM that read it."""
+        tm, dp = self.tile_m, self.head_dim_padded
+        idx = state.index
+        coord = mm.tScS[None, None, None, m_block]
+        acc_S = cute.make_rmem_tensor(mm.s_shape, cutlass.Float32)
+        acc_dP = cute.make_rmem_tensor(mm.s_shape, cutlass.Float32)
+        mm.pipe_q.consumer_wait(state)
+        wgmma(mm.mma_sdp, acc_S, mm.tSrK, mm.tSrQ[None, None, None, idx], False, -1)
+        mm.pipe_do.consumer_wait(state)
+        wgmma(mm.mma_sdp, acc_dP, mm.tdPrV, mm.tdPrdO[None, None, None, idx], False, -1)
+        # the log2 row sums of this thread's query columns (smem) under the GEMMs, their
+        # dpsum after S^T (16 registers each: not both held with P and dP)
+        mm.pipe_tiles.consumer_wait(state)
+        log2sum = load_column_stat(mm.sStats[0, None, idx], mm.first_col, acc_S)
+        warpgroup.wait_group(1)  # S^T is complete
+        dpsum = load_column_stat(mm.sStats[1, None, idx], mm.first_col, acc_S)
+        mm.pipe_tiles.consumer_release(state)
+        mm.limits.apply(acc_S, coord, m_block, walk.n_block, transposed=True)
+        acc_mn, dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+            for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                acc_mn[r, c] = cute.math.exp2(
+                    acc_mn[r, c] * mm.scale_log2 - log2sum[c], fastmath=True
+                )
+        warpgroup.wait_group(0)  # dP^T is complete
+        for c in cutlass.range_constexpr(cute.size(dP_mn.shape[1])):
+            for r in cutlass.range_constexpr(cute.size(dP_mn.shape[0])):
+                dP_mn[r, c] = acc_mn[r, c] * (dP_mn[r, c] - dpsum[c])
+        rP = cute.make_rmem_tensor(mm.s_shape, self.dtype)
+        round_pairs(acc_S, rP)
+        rdS = cute.make_rmem_tensor(mm.s_shape, self.dtype)
+        round_pairs(acc_dP, rdS)
+
+        # ---- dV += P^T dO; dS -> smem; dQ = dS K, dK += dS^T Q ----
+        tdVrPt = cute.make_tensor(rP.iterator, acc_as_a_operand(rP.layout))
+        wgmma(mm.mma_dkv, acc_dV, tdVrPt, mm.tdVrdOt[None, None, None, idx], True, -1)
+        cute.copy(mm.r2s_sdp, mm.r2s_sdp.retile(rdS), mm.tdSsdS[None, None, None, idx])
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by wgmma
+        cute.arch.barrier(barrier_id=_PDS_READY, number_of_threads=_MMA_THREADS)
+        acc_dQ = cute.make_rmem_tensor(mm.wg_dq.partition_shape_C((tm, dp)), cutlass.Float32)
+        wgmma(mm.mma_dq, acc_dQ, mm.tdQrdS[None, None, None, idx], mm.tdQrKt, False, 1)
+        mm.pipe_do.consumer_release(state)  # dV has read dO
+        tdKrdSt = cute.make_tensor(rdS.iterator, acc_as_a_operand(rdS.layout))
+        wgmma(mm.mma_dkv, acc_dK, tdKrdSt, mm.tdKrQt[None, None, None, idx], True, 1)
+
+        # ---- dQ * scale -> smem (under dK), then warp 1's reduce into global memory ----
+        acc_dQ.store(acc_dQ.load() * mm.softmax_scale)
+        cute.arch.barrier(barrier_id=_DQ_FREE, number_of_threads=_MMA_THREADS + 32)
+        tiles.acc_to_smem(acc_dQ, cutlass.Float32, mm.r2s_f32, mm.mma_dq, mm.tidx, mm.sdQ)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the TMA
+        cute.arch.barrier_arrive(barrier_id=_DQ_READY, number_of_threads=_MMA_THREADS + 32)
+        warpgroup.wait_group(0)  # dK has read Q and the registers of dS^T
+        mm.pipe_q.consumer_release(state)
 
     @cute.jit
     def store_tiles(self, stores, walk, tidx, acc=None, tiled_mma=None, turns=None):
