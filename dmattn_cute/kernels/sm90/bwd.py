@@ -878,8 +878,7 @@ class FlashBwdSm90:
             tPsP=tPsP, tdSsdS=tdSsdS, r2s_f32=r2s_f32, sdQ=sdQ, tScS=tScS, views=views,
             scores=scores, dbias=dbias, mStats=mStats, mDpsum=mDpsum, pipe_q=pipe_q,
             pipe_do=pipe_do, pipe_tiles=pipe_tiles, limits=limits, scale_log2=scale_log2,
-            softcap=softcap, softmax_scale=softmax_scale, tidx=tidx, wg_dkv=wg_dkv,
-            sStats=sStats,
+            softcap=softcap, softmax_scale=softmax_scale, tidx=tidx, sStats=sStats,
         )  # fmt: skip
         step = self.mma_step
         if cutlass.const_expr(self.transposed):
