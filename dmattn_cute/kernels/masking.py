@@ -14,7 +14,7 @@ import cutlass
 from cutlass import cute
 
 from . import tiles
-from .utils import acc_mn_view
+from .utils import acc_mn_view, wgmma_column
 
 # Key blocks per mask scan: one 32-bit word per scan, leaving the sign bit unused so that
 # shifts stay logical.
@@ -101,14 +101,14 @@ class BlockLimits:
         if needs and cutlass.const_expr(transposed):
             acc_mn = acc_mn_view(acc_s)
             coord_mn = acc_mn_view(t_coord)
-            # column c's query: c % 2 + 8 * (c // 2) after the first (wgmma accumulator), not
-            # read from t_coord per column (those are kept in registers, or spilled)
+            # column c's query from the first one (wgmma_column), not read from t_coord per
+            # column (those are kept in registers, or spilled)
             first = coord_mn[0, 0][1]
             for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
                 key_end = self.seqlen_k
                 key_begin = cutlass.Int32(0)
                 if cutlass.const_expr(self.has_window):
-                    query = first + (c % 2 + 8 * (c // 2))
+                    query = first + wgmma_column(c)
                     diag_key = query + self.seqlen_k - self.seqlen_q
                     key_end = cutlass.min(key_end, diag_key + self.window_right + 1)
                     key_begin = diag_key - self.window_left

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import cutlass
 from cutlass import cute
 
-from .utils import acc_mn_view, mul_rz, quad_allreduce_max, quad_allreduce_sum
+from .utils import (
+    acc_mn_view,
+    mul_rz,
+    quad_allreduce_max,
+    quad_allreduce_sum,
+    wgmma_column,
+)
 
 LN2 = math.log(2.0)
 
@@ -173,10 +179,9 @@ def load_row_stats(mStats, mDpsum, coord, b, h, seqlen_q, has_bias: cutlass.Cons
 def load_column_stat(stat_row, first, acc):
     """One statistic per query column of the transposed score tile `acc` (S^T in a wgmma
     accumulator: rows are keys) from stat_row, the (query in block) row of a stage in smem.
-    `first` is the thread's first column; column c of the accumulator lies c % 2 + 8 * (c //
-    2) after it (two neighbouring columns per 8-column atom)."""
+    `first` is the thread's first column (the others: utils.wgmma_column)."""
     cols = cute.size(acc_mn_view(acc).shape[1])
     stat = cute.make_rmem_tensor(cols, cutlass.Float32)
     for c in cutlass.range_constexpr(cols):
-        stat[c] = stat_row[first + (c % 2 + 8 * (c // 2))]
+        stat[c] = stat_row[first + wgmma_column(c)]
     return stat

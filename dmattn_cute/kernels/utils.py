@@ -27,6 +27,12 @@ def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, mn)
 
 
+def wgmma_column(c: int) -> int:
+    """How far column c of a wgmma accumulator's (rows, cols) view (acc_mn_view) lies after
+    the thread's first column: two neighbouring columns per 8-column atom."""
+    return c % 2 + 8 * (c // 2)
+
+
 def acc_as_a_operand(acc_layout: cute.Layout) -> cute.Layout:
     """Re-read a 16-bit accumulator layout as the register A operand of a k16 MMA: two
     neighbouring n8 atoms of C make one k16 atom of A.

@@ -1025,6 +1025,12 @@ class FlashBwdSm90:
         mm.pipe_do.consumer_release(state)
 
         # ---- dQ * scale -> smem, then warp 1's reduce into global memory ----
+        self.hand_dq_to_reduce(mm, acc_dQ)
+
+    @cute.jit
+    def hand_dq_to_reduce(self, mm, acc_dQ):
+        """The step's dQ (times the softmax scale) into sdQ once warp 1's previous reduce has
+        read it (barrier "dQ free"), then to warp 1 (barrier "dQ ready")."""
         acc_dQ.store(acc_dQ.load() * mm.softmax_scale)
         cute.arch.barrier(barrier_id=_DQ_FREE, number_of_threads=_MMA_THREADS + 32)
         tiles.acc_to_smem(acc_dQ, cutlass.Float32, mm.r2s_f32, mm.mma_dq, mm.tidx, mm.sdQ)
@@ -1101,11 +1107,7 @@ class FlashBwdSm90:
         wgmma(mm.mma_dkv, acc_dK, tdKrdSt, mm.tdKrQt[None, None, None, idx], True, 1)
 
         # ---- dQ * scale -> smem (under dK), then warp 1's reduce into global memory ----
-        acc_dQ.store(acc_dQ.load() * mm.softmax_scale)
-        cute.arch.barrier(barrier_id=_DQ_FREE, number_of_threads=_MMA_THREADS + 32)
-        tiles.acc_to_smem(acc_dQ, cutlass.Float32, mm.r2s_f32, mm.mma_dq, mm.tidx, mm.sdQ)
-        cute.arch.fence_view_async_shared()  # generic-proxy writes, read by the TMA
-        cute.arch.barrier_arrive(barrier_id=_DQ_READY, number_of_threads=_MMA_THREADS + 32)
+        self.hand_dq_to_reduce(mm, acc_dQ)
         warpgroup.wait_group(0)  # dK has read Q and the registers of dS^T
         mm.pipe_q.consumer_release(state)
 
