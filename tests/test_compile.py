@@ -299,6 +299,7 @@ DBIAS_DIRECT_ORDERED = DbiasSpec("bf16", ("d", "d", "d", "1"), False, True, Fals
      (64, "bf16", None, None, None, False, True, True),
      (96, "fp16", FULL_MASK, ROW_BIAS_FP32, DBIAS_ROWS_ATOMIC, False, False, False),
      (128, "bf16", None, None, None, True, True, False),
+     (128, "bf16", FULL_MASK, ROW_BIAS, DBIAS_ROWS_ATOMIC, True, False, False),
      (128, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT, False, False, True),
      (128, "bf16", KEY_BCAST_MASK, UNALIGNED_BIAS, DBIAS_SUM_ATOMIC, True, True, False),
      (160, "bf16", None, FULL_BIAS, None, False, True, True),
@@ -338,9 +339,15 @@ def test_hopper_bwd_compiles(head_dim, dtype, mask, bias, dbias, window, softcap
     assert ("ld.acquire.gpu" in ptx and "st.release.gpu" in ptx) == det
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx
-    # transposed scores without mask, bias or softcap up to head dim 128: P^T and dS^T are
-    # register A operands (braces after the accumulator's), dS goes to smem by stmatrix.trans
-    transposed = mask is None and bias is None and not softcap and head_dim <= 128
+    # transposed scores (element-wise masks, a query-broadcast bias or none, no softcap, 64 x
+    # 128 tiles of two stages): P^T and dS^T are register A operands (braces after the
+    # accumulator's), dS goes to smem by stmatrix.trans
+    transposed = (
+        not softcap
+        and (mask is None or mask.dtype not in ("i32", "i64"))
+        and (bias is None or bias.row_broadcast)
+        and (spec.tile.tile_n, spec.tile.stages) == (128, 2)
+    )
     assert spec.tile.transposed == transposed
     assert bool(re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{", ptx)) == transposed
     assert ("stmatrix.sync.aligned.m8n8.x4.trans" in ptx) == transposed

@@ -320,7 +320,7 @@ class Sm90BwdTile:
     transposed: the scores are computed as S^T = K Q^T (each warpgroup 64 keys), so P^T and
     dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q; only dS goes
     through smem (for dQ), in one buffer per Q/dO stage. Each query is then a column, and its
-    log2 row sum and dpsum come through smem stages too."""
+    log2 row sum and dpsum (and, with a bias, its row max) come through smem stages too."""
 
     tile_m: int
     tile_n: int
@@ -359,8 +359,9 @@ def sm90_bwd_smem_buffers(
     ]
     if tile.transposed:  # P stays in registers; dS in one buffer per stage
         buffers.append(SmemBuffer("ds", tile.stages * tm * tn * elem_bytes, 1024))
-        # the log2 row sums and dpsum of each stage's query rows (fp32)
-        buffers.append(SmemBuffer("stats", tile.stages * 2 * tm * 4, 16))
+        # the log2 row sums, dpsums and (with a bias) row maxima of each stage's query rows
+        stats = 2 if bias is None else 3
+        buffers.append(SmemBuffer("stats", tile.stages * stats * tm * 4, 16))
     else:
         buffers.append(SmemBuffer("p", tm * tn * elem_bytes, 1024))
         buffers.append(SmemBuffer("ds", tm * tn * elem_bytes, 1024))
@@ -370,7 +371,7 @@ def sm90_bwd_smem_buffers(
             rows = 1 if operand.row_broadcast else tm
             size = _operand_tiles_bytes(tn, rows, tile.stages, operand)
             buffers.append(SmemBuffer(name, size, 16))
-    if bias is not None:
+    if bias is not None and not tile.transposed:  # (transposed: a key's sum is in one quad)
         buffers.append(SmemBuffer("colsum", 4 * tn * 4, 16))
     return tuple(buffers)
 
@@ -381,19 +382,19 @@ def sm90_bwd_tile(
     elem_bytes: int,
     mask: SmemOperand | None = None,
     bias: SmemOperand | None = None,
-    softcap: bool = False,
+    transposable: bool = False,
 ) -> Sm90BwdTile:
     """The Hopper backward tiling: 128 query rows per step up to head dim 64 without mask or
     bias tiles (reading those in the accumulator layout needs the registers), else 64; 128
     keys up to head dim 128, else 64 (dK and dV then split by columns); two Q/dO/mask/bias
     stages when they fit, else one (ValueError when that does not fit either). Transposed
-    scores (S^T, see Sm90BwdTile) for 64 x 128 tiles of two stages without mask, bias or
-    softcap."""
-    plain = mask is None and bias is None and not softcap
-    tile_m = 128 if head_dim_padded <= 64 and mask is None and bias is None and not plain else 64
+    scores (S^T, see Sm90BwdTile) for 64 x 128 tiles of two stages where the variant is
+    `transposable` (Sm90BwdSpec.build says which)."""
+    untiled = mask is None and bias is None
+    tile_m = 128 if head_dim_padded <= 64 and untiled and not transposable else 64
     tile_n = 128 if head_dim_padded <= 128 else 64
     for stages in (2, 1):
-        transposed = plain and (tile_m, tile_n, stages) == (64, 128, 2)
+        transposed = transposable and (tile_m, tile_n, stages) == (64, 128, 2)
         tile = Sm90BwdTile(tile_m, tile_n, stages, transposed)
         buffers = sm90_bwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
         if smem_total(buffers) <= smem_capacity(arch):

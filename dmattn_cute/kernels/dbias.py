@@ -41,15 +41,22 @@ class DbiasWriter:
     tidx: cutlass.Int32
     barrier_id: cutlass.Constexpr[int] = 0
     barrier_threads: cutlass.Constexpr[int] = 0
+    # the dS tile is dS^T (the Hopper backward's transposed scores): rows are keys, coord_mn
+    # (key, query); a key's sum over the queries lies in one quad of lanes (no shared memory)
+    transposed: cutlass.Constexpr[bool] = False
 
     @staticmethod
-    def make(spec, mdBias, s_colsum, tScS, tile_n, warps_m, n_block, limits, tidx, barrier=(0, 0)):
+    def make(
+        spec, mdBias, s_colsum, tScS, tile_n, warps_m, n_block, limits, tidx, barrier=(0, 0),
+        transposed=False,
+    ):  # fmt: skip
         coord_mn = acc_mn_view(tScS[None, None, None, 0])
-        colsum = cute.make_rmem_tensor(cute.size(coord_mn.shape[1]), cutlass.Float32)
+        sums = cute.size(coord_mn.shape[0 if transposed else 1])
+        colsum = cute.make_rmem_tensor(sums, cutlass.Float32)
         colsum.fill(0.0)
         return DbiasWriter(
             spec, mdBias, s_colsum, colsum, coord_mn, tile_n, warps_m, n_block, limits, tidx,
-            *barrier,
+            *barrier, transposed,
         )  # fmt: skip
 
     @cute.jit
@@ -64,7 +71,13 @@ class DbiasWriter:
         """This step's dS into dbias[b, h_bias] (coord: (row, col) of each element of acc_dS)."""
         dS_mn = acc_mn_view(acc_dS)
         coord_mn = acc_mn_view(coord)
-        if cutlass.const_expr(self.spec.rows_summed):
+        if cutlass.const_expr(self.transposed):  # rows summed: per key (accumulator row)
+            for r in cutlass.range_constexpr(cute.size(dS_mn.shape[0])):
+                total = self.colsum[r]
+                for c in cutlass.range_constexpr(cute.size(dS_mn.shape[1])):
+                    total = total + dS_mn[r, c]
+                self.colsum[r] = total
+        elif cutlass.const_expr(self.spec.rows_summed):
             # Rows past Sq and columns past Sk hold dS = 0 (P = 0 there).
             for c in cutlass.range_constexpr(cute.size(dS_mn.shape[1])):
                 total = self.colsum[c]
@@ -94,7 +107,24 @@ class DbiasWriter:
     def flush(self, b, h_bias):
         """Query-broadcast bias: add this head's column sums into dbias[b, h_bias, 0] (lanes
         that share columns by shuffles, warps through shared memory in a fixed order) and
-        restart them."""
+        restart them. Transposed: the four lanes of a quad hold a key's sums; lane 0 of it
+        adds them."""
+        if cutlass.const_expr(self.transposed):
+            lane = self.tidx % 32
+            for r in cutlass.range_constexpr(cute.size(self.colsum)):
+                value = self.colsum[r]
+                for offset in cutlass.range_constexpr(2):
+                    value = value + cute.arch.shuffle_sync_bfly(value, offset=1 << offset)
+                key = self.coord_mn[r, 0][0]
+                if lane % 4 == 0 and key < self.limits.seqlen_k:
+                    self.add((b, h_bias, 0, key), value)
+            self.colsum.fill(0.0)
+        else:
+            self.flush_columns(b, h_bias)
+
+    @cute.jit
+    def flush_columns(self, b, h_bias):
+        """flush of the untransposed tile: column sums through shared memory."""
         tn = self.tile_n
         lane = self.tidx % 32
         warp_m = (self.coord_mn[0, 0][0] // 16) % self.warps_m

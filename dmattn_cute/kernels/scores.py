@@ -52,6 +52,9 @@ class Scores:
     # bias / scale is: a finfo.min bias gives -FLT_MAX for every key of its row.
     log2_units: cutlass.Constexpr[bool] = False
     scale_log2: cutlass.Float32 | None = None
+    # acc_s holds S^T (the Hopper backward's transposed scores): a query-broadcast bias is one
+    # value per accumulator row (key), not per column
+    transposed: cutlass.Constexpr[bool] = False
 
     @cute.jit
     def start(self, acc_s: cute.Tensor, t_bias: cute.Tensor | None):
@@ -106,13 +109,19 @@ class Scores:
                 cutlass.Float32(LOG2E) if cutlass.const_expr(self.log2_units) else self.bias_scale
             )
             acc_mn, bias_mn = acc_mn_view(acc_s), acc_mn_view(t_bias)
-            for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
-                column = mul_rz(cutlass.Float32(bias_mn[0, c]), factor)
+            if cutlass.const_expr(self.transposed):
                 for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                    if cutlass.const_expr(self.log2_units):
-                        acc_mn[r, c] = fma(acc_mn[r, c], self.scale_log2, column)
-                    else:
-                        acc_mn[r, c] = acc_mn[r, c] + column
+                    key = mul_rz(cutlass.Float32(bias_mn[r, 0]), factor)
+                    for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                        acc_mn[r, c] = acc_mn[r, c] + key
+            else:
+                for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
+                    column = mul_rz(cutlass.Float32(bias_mn[0, c]), factor)
+                    for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                        if cutlass.const_expr(self.log2_units):
+                            acc_mn[r, c] = fma(acc_mn[r, c], self.scale_log2, column)
+                        else:
+                            acc_mn[r, c] = acc_mn[r, c] + column
         if cutlass.const_expr(self.has_mask and self.mask_expiry):
             # the views are taken outside the run-time branch: a name first bound inside it
             # would have no value on the other path

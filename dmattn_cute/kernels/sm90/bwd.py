@@ -28,13 +28,16 @@ the same visible query blocks, a full one loads and applies no mask tile. Four r
   over sK / sV, stored by TMA (with split_heads: one after the other as fp32 tiles over sK and
   sV, added by TMA reduce-add).
 
-Transposed scores (Sm90BwdTile.transposed: 64 x 128 tiles without mask, bias or softcap, as
-FA3/FA4's SdP_swapAB): each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys,
-so P^T and dS^T stay in registers as the A operands of its dV += P^T dO and dK += dS^T Q (no
-P in smem, no barrier before dV and dK); only dS is written, as dS, by stmatrix.trans into its
-stage's buffer for dQ = dS K. A query is then a column: its log2 row sum and dpsum come
-through smem stages from warps 2-3 (read from global memory in the softmax, their latency
-stalled it).
+Transposed scores (Sm90BwdTile.transposed: 64 x 128 tiles of two stages; an element-wise
+mask, a query-broadcast bias with its gradient summed over the queries, or neither; no
+softcap; as FA3/FA4's SdP_swapAB): each warpgroup computes S^T = K Q^T and dP^T = V dO^T for
+its 64 keys, so P^T and dS^T stay in registers as the A operands of its dV += P^T dO and
+dK += dS^T Q (no P in smem, no barrier before dV and dK); only dS is written, as dS, by
+stmatrix.trans into its stage's buffer for dQ = dS K. A query is then a column: its log2 row
+sum, dpsum and (with a bias) row max come through smem stages from warps 2-3, with the mask
+and bias tiles (read from global memory in the softmax, their latency stalled it). The mask
+and bias tiles are read through (keys, queries) views; a key's bias and its dbias sum are
+per accumulator row, the sum reduced in its quad of lanes.
 
 Shared memory and the order that protects it:
 - mbar: full/empty mbarriers of the K/V, Q, dO and mask/bias pipelines, initialized before the
@@ -55,14 +58,15 @@ Shared memory and the order that protects it:
   after barrier "P/dS ready"; a stage's sdS is rewritten two steps later, after the "P/dS
   ready" of the step between, which each warpgroup passes only after its own dQ GEMM of the
   step before has completed.
-- stats stages (transposed scores): filled by warps 2-3 after the stage's empty barrier (one
-  arrive per thread, with release semantics), read by the MMA warpgroups after its full
-  barrier and released after the dpsum reads (one arrive per MMA thread).
+- stats stages (transposed scores): part of the mask/bias stage, filled by warps 2-3 after
+  the stage's empty barrier (plain stores; each thread waits for its cp.async copies, then
+  arrives with release semantics), read by the MMA warpgroups after its full barrier and
+  released after the dpsum reads, the last of the stage (one arrive per MMA thread).
 - sdQ: written by the MMA warpgroups after barrier "dQ free" (warp 1 arrives once its previous
   reduce has read the tile), read by warp 1's TMA reduce after barrier "dQ ready" (the MMA
   warpgroups arrive after their writes and the proxy fence).
-- colsum: the dbias column sums of a query-broadcast bias, written and read between the two
-  "dbias" barriers of the MMA warpgroups at the end of each head.
+- colsum (untransposed scores): the dbias column sums of a query-broadcast bias, written and
+  read between the two "dbias" barriers of the MMA warpgroups at the end of each head.
 """
 
 from __future__ import annotations
@@ -154,7 +158,15 @@ class Sm90BwdSpec:
             raise ValueError("Hopper backward: a deterministic order takes a stored dbias")
         dp = padded_head_dim(head_dim)
         smem = [None if op is None else op.smem() for op in (mask, bias)]
-        tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype), *smem, has_softcap)
+        # transposed scores: element-wise masks (no expiry rows), a query-broadcast bias (its
+        # gradient summed over the queries) or none, no softcap
+        transposable = (
+            not has_softcap
+            and (mask is None or mask.dtype not in ("i32", "i64"))
+            and (bias is None or bias.row_broadcast)
+            and (dbias is None or dbias.rows_summed)
+        )
+        tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype), *smem, transposable)
         return Sm90BwdSpec(
             dtype, dp, tile, mask, bias, dbias, has_window, has_softcap, split_heads,
             deterministic,
@@ -518,12 +530,13 @@ class FlashBwdSm90:
             sP = tiles.swizzled_smem_tensor(smem["p"], self.dtype, sPdS_layout)
         sdS = tiles.swizzled_smem_tensor(smem["ds"], self.dtype, sPdS_layout)
         sdQ = tiles.swizzled_smem_tensor(smem["dq"], cutlass.Float32, sdQ_layout)
-        sStats = None  # transposed: (log2 row sum / dpsum, query row, stage)
+        sStats = None  # transposed: (log2 row sum / dpsum / row max, query row, stage)
         if cutlass.const_expr(self.transposed):
+            stats = 2 if cutlass.const_expr(spec.bias is None) else 3
             sStats = tiles.smem_tensor(
                 smem["stats"],
                 cutlass.Float32,
-                cute.make_layout((2, tm, st), stride=(tm, 1, 2 * tm)),
+                cute.make_layout((stats, tm, st), stride=(tm, 1, stats * tm)),
             )
         mbar = cute.recast_ptr(smem["mbar"][0], dtype=cutlass.Int64)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -571,12 +584,11 @@ class FlashBwdSm90:
                 )  # fmt: skip
             if warp == 1:
                 self.reduce_dq(tdQ, sdQ, tma_dq, walk, mSem)
-            if cutlass.const_expr(self.has_tiles):
+            if cutlass.const_expr(self.has_tiles or self.transposed):
                 if warp >= 2:
-                    self.load_tiles(mMask, mBias, tile_smem, pipe_tiles, limits, walk)
-            if cutlass.const_expr(self.transposed):
-                if warp >= 2:
-                    self.load_stats(mStats, mDpsum, sStats, pipe_tiles, walk, seqlen_q)
+                    self.load_tiles(
+                        mMask, mBias, mStats, mDpsum, tile_smem, sStats, pipe_tiles, limits, walk
+                    )
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
             self.mma(
@@ -645,9 +657,10 @@ class FlashBwdSm90:
         )  # fmt: skip
 
     @cute.jit
-    def load_tiles(self, mMask, mBias, tile_smem, pipe_tiles, limits, walk):
+    def load_tiles(self, mMask, mBias, mStats, mDpsum, tile_smem, sStats, pipe_tiles, limits, walk):
         """Warps 2-3: the mask tile (unless all True) and the bias tile of every step, by
-        predicated cp.async, each into the next free stage."""
+        predicated cp.async, and with transposed scores the step's stats, each into the next
+        free stage."""
         spec = self.spec
         tidx = cute.arch.thread_idx()[0] - 64
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -666,54 +679,56 @@ class FlashBwdSm90:
                         op, tcopy, used, gX, cX, sX, row_end, limits.seqlen_k, tidx,
                         walk_queries=True,
                     )  # fmt: skip
+            stats = None
+            if cutlass.const_expr(self.transposed):
+                stats = (
+                    mStats[walk.b, h, 1, None],
+                    mDpsum[walk.b, h, None],
+                    mStats[walk.b, h, 0, None],
+                )
             for seg in cutlass.range_constexpr(walk.segments):
                 lo, hi = walk.segment(seg)
                 if cutlass.const_expr(walk.mBits is None):
                     for m_block in cutlass.range(lo, hi, unroll=1):
-                        self.tiles_step(loads, pipe_tiles, state, walk, h, m_block)
+                        self.tiles_step(
+                            loads, stats, sStats, limits, pipe_tiles, state, walk, h, m_block
+                        )
                         state.advance()
                 else:
                     m_block = walk.next_visible(h, lo, hi)
                     while m_block < hi:
-                        self.tiles_step(loads, pipe_tiles, state, walk, h, m_block)
+                        self.tiles_step(
+                            loads, stats, sStats, limits, pipe_tiles, state, walk, h, m_block
+                        )
                         state.advance()
                         m_block = walk.next_visible(h, m_block + 1, hi)
 
     @cute.jit
-    def tiles_step(self, loads, pipe_tiles, state, walk, h, m_block):
+    def tiles_step(self, loads, stats, sStats, limits, pipe_tiles, state, walk, h, m_block):
         """The mask tile (unless all True) and the bias tile of query block m_block into stage
-        state.index."""
+        state.index; with transposed scores (`stats`: the log2 row sums, dpsums and row maxima
+        of head h) its rows' stats too, a row a thread (+inf, 0 and 0 past Sq, so P = 0 there),
+        published by the thread's arrive once its copies have landed (release)."""
+        spec = self.spec
         pipe_tiles.producer_acquire(state)
-        if cutlass.const_expr(self.spec.mask is not None):
+        if cutlass.const_expr(spec.mask is not None):
             if (walk.bits(h, m_block) & FULL) == 0:
                 loads["mask"].load(m_block, state.index)
-        if cutlass.const_expr(self.spec.bias is not None):
+        if cutlass.const_expr(spec.bias is not None):
             loads["bias"].load(m_block, state.index)
-        operands.tiles_landed(pipe_tiles, state, self.spec.mask, self.spec.bias)
-
-    @cute.jit
-    def load_stats(self, mStats, mDpsum, sStats, pipe_stats, walk, seqlen_q):
-        """Warps 2-3 with transposed scores: the log2 row sums and dpsum of every step's query
-        rows into the next free stage, a row a thread (+inf and 0 past Sq, so P = 0 there),
-        published by each thread's arrive on the stage's full barrier (release)."""
-        tm = self.tile_m
-        row = cute.arch.thread_idx()[0] - 64
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for h in cutlass.range(walk.h_first, walk.h_first + walk.heads, unroll=1):
-            log2sums, dpsums = mStats[walk.b, h, 1, None], mDpsum[walk.b, h, None]
-            for seg in cutlass.range_constexpr(walk.segments):
-                lo, hi = walk.segment(seg)
-                for m_block in cutlass.range(lo, hi, unroll=1):
-                    query = m_block * tm + row
-                    log2sum = cutlass.Float32(cutlass.Float32.inf)
-                    dpsum = cutlass.Float32(0.0)
-                    if query < seqlen_q:
-                        log2sum, dpsum = log2sums[query], dpsums[query]
-                    pipe_stats.producer_acquire(state)
-                    sStats[0, row, state.index] = log2sum
-                    sStats[1, row, state.index] = dpsum
-                    cute.arch.mbarrier_arrive(pipe_stats.producer_get_barrier(state))
-                    state.advance()
+        if cutlass.const_expr(self.transposed):
+            row = cute.arch.thread_idx()[0] - 64
+            query = m_block * self.tile_m + row
+            for i in cutlass.range_constexpr(cute.size(sStats.shape[0])):
+                value = cutlass.Float32(cutlass.Float32.inf if i == 0 else 0.0)
+                if query < limits.seqlen_q:
+                    value = stats[i][query]
+                sStats[i, row, state.index] = value
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.mbarrier_arrive(pipe_tiles.producer_get_barrier(state))
+        else:
+            operands.tiles_landed(pipe_tiles, state, spec.mask, spec.bias)
 
     @cute.jit
     def reduce_dq(self, tdQ, sdQ, tma_dq, walk, mSem):
@@ -853,22 +868,31 @@ class FlashBwdSm90:
                     (None, n_block),
                 )
             )  # fmt: skip
-        views = {name: thr_sdp.partition_C(tile_smem[name][1]) for name in tile_smem}
+        # the mask/bias stages as the scores read them ((keys, queries) views when transposed)
+        views = {}
+        for name in tile_smem:
+            view = tile_smem[name][1]
+            if cutlass.const_expr(self.transposed):
+                view = tiles.transposed(view, tm, tn, st)
+            views[name] = thr_sdp.partition_C(view)
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=self.bias_rows_shared,
             bias_after_gemm=self.bias_rows_shared,
             mask_expiry=spec.mask is not None and spec.mask.dtype in ("i32", "i64"),
             mask_ranges=spec.mask is not None and spec.mask.dtype == "i64",
+            transposed=self.transposed,
         )  # fmt: skip
         dbias = None
         if cutlass.const_expr(spec.dbias is not None):
-            s_colsum = tiles.smem_tensor(
-                smem["colsum"], cutlass.Float32, cute.make_layout((4, tn), stride=(tn, 1))
-            )
+            s_colsum = None  # transposed: a key's sums stay in one quad
+            if cutlass.const_expr(not self.transposed):
+                s_colsum = tiles.smem_tensor(
+                    smem["colsum"], cutlass.Float32, cute.make_layout((4, tn), stride=(tn, 1))
+                )
             dbias = DbiasWriter.make(
                 spec.dbias, mdBias, s_colsum, tScS, tn, 4, n_block, limits, tidx,
-                barrier=(_DBIAS, _MMA_THREADS),
+                barrier=(_DBIAS, _MMA_THREADS), transposed=self.transposed,
             )  # fmt: skip
 
         mm = SimpleNamespace(
@@ -1015,39 +1039,56 @@ class FlashBwdSm90:
 
     @cute.jit
     def mma_step_transposed(self, mm, walk, h, m_block, state, acc_dK, acc_dV):
-        """mma_step with transposed scores (no mask, bias or softcap): S^T = K Q^T and
-        dP^T = V dO^T, P^T and dS^T in registers as the A operands of dV += P^T dO and
-        dK += dS^T Q; dS^T to its stage's smem buffer (as dS) for dQ = dS K.
+        """mma_step with transposed scores (an element-wise mask, a query-broadcast bias or
+        none, no softcap): S^T = K Q^T and dP^T = V dO^T, P^T and dS^T in registers as the A
+        operands of dV += P^T dO and dK += dS^T Q; dS^T to its stage's smem buffer (as dS)
+        for dQ = dS K.
 
         The dS buffer of a stage is rewritten two steps later, after barrier "P/dS ready" of
         the step between: both warpgroups have then completed the dQ GEMM that read it."""
+        spec = self.spec
         tm, dp = self.tile_m, self.head_dim_padded
         idx = state.index
         coord = mm.tScS[None, None, None, m_block]
+        t_bias = t_mask = None
+        if cutlass.const_expr(spec.bias is not None):
+            t_bias = mm.views["bias"][None, None, None, idx]
+        if cutlass.const_expr(spec.mask is not None):
+            t_mask = mm.views["mask"][None, None, None, idx]
         acc_S = cute.make_rmem_tensor(mm.s_shape, cutlass.Float32)
         acc_dP = cute.make_rmem_tensor(mm.s_shape, cutlass.Float32)
         mm.pipe_q.consumer_wait(state)
         wgmma(mm.mma_sdp, acc_S, mm.tSrK, mm.tSrQ[None, None, None, idx], False, -1)
         mm.pipe_do.consumer_wait(state)
         wgmma(mm.mma_sdp, acc_dP, mm.tdPrV, mm.tdPrdO[None, None, None, idx], False, -1)
-        # the log2 row sums of this thread's query columns (smem) under the GEMMs, their
-        # dpsum after S^T (16 registers each: not both held with P and dP)
+        # the stats of this thread's query columns (smem, 16 registers each) under the GEMMs;
+        # dpsum only after the exp2s (not held with P, dP, the log2 sums and the maxima)
         mm.pipe_tiles.consumer_wait(state)
         log2sum = load_column_stat(mm.sStats[0, None, idx], mm.first_col, acc_S)
+        row_max = None
+        if cutlass.const_expr(spec.bias is not None):
+            row_max = load_column_stat(mm.sStats[2, None, idx], mm.first_col, acc_S)
         warpgroup.wait_group(1)  # S^T is complete
-        dpsum = load_column_stat(mm.sStats[1, None, idx], mm.first_col, acc_S)
-        mm.pipe_tiles.consumer_release(state)
+        if cutlass.const_expr(self.has_tiles):
+            mm.scores.finish(acc_S, t_bias, t_mask, walk.bits(h, m_block) & FULL)
         mm.limits.apply(acc_S, coord, m_block, walk.n_block, transposed=True)
         acc_mn, dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
         for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
             for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                acc_mn[r, c] = cute.math.exp2(
-                    acc_mn[r, c] * mm.scale_log2 - log2sum[c], fastmath=True
-                )
+                if cutlass.const_expr(spec.bias is None):
+                    exponent = acc_mn[r, c] * mm.scale_log2 - log2sum[c]
+                else:
+                    exponent = (acc_mn[r, c] - row_max[c]) * mm.scale_log2 - log2sum[c]
+                acc_mn[r, c] = cute.math.exp2(exponent, fastmath=True)
         warpgroup.wait_group(0)  # dP^T is complete
+        dpsum = load_column_stat(mm.sStats[1, None, idx], mm.first_col, acc_S)
+        # every MMA thread arrives after its own reads of the stage (stats, mask, bias)
+        mm.pipe_tiles.consumer_release(state)
         for c in cutlass.range_constexpr(cute.size(dP_mn.shape[1])):
             for r in cutlass.range_constexpr(cute.size(dP_mn.shape[0])):
                 dP_mn[r, c] = acc_mn[r, c] * (dP_mn[r, c] - dpsum[c])
+        if cutlass.const_expr(mm.dbias is not None):
+            mm.dbias.step(acc_dP, coord, walk.b, h // walk.bias_head_div)
         rP = cute.make_rmem_tensor(mm.s_shape, self.dtype)
         round_pairs(acc_S, rP)
         rdS = cute.make_rmem_tensor(mm.s_shape, self.dtype)
