@@ -6,7 +6,9 @@ blocks its causal/window range allows. When that grid is too small for the GPU (
 MQA), each group's query heads are split over `head_splits` CTAs; when one key block's walk
 is long enough to set the kernel's time (a masked long sequence, whose visible blocks may
 crowd into a few key columns), its query range is split over `query_splits` CTAs. Split CTAs
-(split_heads) add their fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add. With a mask, the
+(split_heads) add their fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add.
+With a mask (not deterministic) the CTAs take their (batch, kv head, key block) from an order
+the launch sorts by walk length, longest first (bwd_launch.walk_order). With a mask, the
 block-bits pre-pass (kernels/block_bits.py, for this kernel's tiles) says which (query block,
 key block) tiles have a True element (visible) and which are all True (full): every role walks
 the same visible query blocks, a full one loads and applies no mask tile. Four roles:
@@ -127,6 +129,13 @@ class Sm90BwdSpec:
     repeatable; dbias is then only stored (each element has one contribution).
     """
 
+    @property
+    def ordered(self) -> bool:
+        """The CTAs take their (batch, kv head, key block) from a launch-sorted order, the
+        longest walks first (bwd_launch.walk_order): with a mask, whose walks differ in
+        length, unless deterministic, whose turns need lower key blocks launched first."""
+        return self.mask is not None and not self.deterministic
+
     dtype: str
     head_dim_padded: int
     tile: Sm90BwdTile
@@ -194,6 +203,7 @@ class Sm90BwdSpec:
             dk, dv = fake_rows(self.dtype), fake_rows(self.dtype)
         mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
         bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
+        order = fake_tensor("i32", ("1",), 4) if self.ordered else None
         dbias = sem = None
         if self.dbias is not None:
             dbias = fake_tensor(self.dbias.dtype, self.dbias.strides, dtype_bytes(self.dbias.dtype))
@@ -202,8 +212,8 @@ class Sm90BwdSpec:
             sem = fake_tensor("i32", ("d", "d", "1"), 4)
             if self.split_heads:
                 sem_kv = fake_tensor("i32", ("d", "d", "1"), 4)
-        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, 1, 0, mask, bias, bits, dbias, sem,
-                sem_kv,
+        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, 1, 0, mask, bias, bits, order,
+                dbias, sem, sem_kv,
                 *BwdScalars(), env_stream()]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
@@ -347,6 +357,7 @@ class FlashBwdSm90:
         mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
+        mOrder: cute.Tensor | None,  # [B * Hkv * key blocks] int32 (spec.ordered)
         mdBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km] (stride 0 on size-1 dims)
         mSem: cute.Tensor | None,  # [B, H, ceil(Sq / tile_m)] int32, zeroed (deterministic)
         mSemKV: cute.Tensor | None,  # [B, Hkv, ceil(Sk / tile_n)] int32, zeroed (split, det.)
@@ -418,7 +429,7 @@ class FlashBwdSm90:
         grid = (cute.ceil_div(mK.shape[1], tn), mK.shape[2] * splits, mK.shape[0])
         self.kernel(
             tQ, tK, tV, tdO, tdK, tdV, tdQ, mQ.shape[1], mK.shape[1], mStats, mDpsum, mMask,
-            mBias, mBits, mdBias, mSem, mSemKV, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
+            mBias, mBits, mOrder, mdBias, mSem, mSemKV, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq,
             scale_log2, bias_scale, softcap_scale, softcap, softmax_scale, window_left,
             window_right, mask_head_div, bias_head_div, group, head_splits, query_splits, rotate,
             sQ_layout,
@@ -446,6 +457,7 @@ class FlashBwdSm90:
         mMask: cute.Tensor | None,
         mBias: cute.Tensor | None,
         mBits: cute.Tensor | None,
+        mOrder: cute.Tensor | None,
         mdBias: cute.Tensor | None,
         mSem: cute.Tensor | None,
         mSemKV: cute.Tensor | None,
@@ -486,9 +498,20 @@ class FlashBwdSm90:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq):
                 cpasync.prefetch_descriptor(atom)
         n_block, hk_split, b = cute.arch.block_idx()
+        splits = head_splits * query_splits
+        if cutlass.const_expr(mOrder is not None):
+            # The launch order, item by item (a (batch, kv head, key block) and its split
+            # CTAs): the block scheduler starts the longest walks first, and the short ones
+            # fill in behind them instead of leaving SMs idle at the end.
+            n_x, n_y, _ = cute.arch.grid_dim()
+            linear = n_block + n_x * (hk_split + n_y * b)
+            item = mOrder[linear // splits]
+            heads_kv = n_y // splits
+            n_block = item % n_x
+            hk_split = (item // n_x) % heads_kv * splits + linear % splits
+            b = item // (n_x * heads_kv)
         # kv head hk; head part: the `heads` query heads of its group from h_first on; query
         # part: an equal share of the key block's query range
-        splits = head_splits * query_splits
         hk = hk_split // splits
         split = hk_split - hk * splits
         query_part = split // head_splits
