@@ -37,7 +37,6 @@ from .launch import (
     qkv_view,
     stride_kinds,
 )
-from .masking import VISIBLE
 from .sm90.bwd import Sm90BwdSpec
 
 
@@ -108,50 +107,35 @@ def head_splits(problem: Problem, tile_n: int, sms: int, query_split: int = 1) -
     return group
 
 
-def _query_band(problem: Problem, tile_m: int, tile_n: int, device) -> torch.Tensor | None:
-    """bool [query blocks, key blocks]: the tiles the causal/window limits leave to the
-    Hopper backward's walks (masking.BlockLimits.query_block_range), None without limits."""
-    if not problem.has_window:
-        return None
+def _walk_order(problem: Problem, tile_m: int, tile_n: int, device) -> torch.Tensor:
     unbounded = problem.seqlen_q + problem.seqlen_k
     left = problem.window_left if problem.window_left >= 0 else unbounded
     right = problem.window_right if problem.window_right >= 0 else unbounded
     if problem.is_causal:
         right = min(right, 0)
     m_blocks, n_blocks = -(-problem.seqlen_q // tile_m), -(-problem.seqlen_k // tile_n)
+    # masking.BlockLimits.query_block_range of every key block
     diag = problem.seqlen_k - problem.seqlen_q
     n = torch.arange(n_blocks)
     m_min = (n * tile_n - diag - right).clamp(min=0) // tile_m
-    row_end = ((n + 1) * tile_n - diag + left).clamp(min=0)
-    m_max = torch.minimum(-(-row_end // tile_m), torch.tensor(m_blocks))
-    m = torch.arange(m_blocks)[:, None]
-    return ((m >= m_min) & (m < m_max)).to(device)
+    m_end = -(-((n + 1) * tile_n - diag + left).clamp(min=0) // tile_m)
+    steps = (torch.clamp(m_end, max=m_blocks) - m_min).clamp(min=0)
+    items = steps.expand(problem.batch * problem.num_heads_kv, n_blocks).flatten()
+    return torch.argsort(items, descending=True, stable=True).to(torch.int32).to(device)
 
 
-_BANDS: dict[tuple, torch.Tensor | None] = {}
+_ORDERS: dict[tuple, torch.Tensor] = {}
 
 
-def walk_order(bits: torch.Tensor, problem: Problem, tile_m: int, tile_n: int) -> torch.Tensor:
+def walk_order(problem: Problem, tile_m: int, tile_n: int, device) -> torch.Tensor:
     """int32 [B * Hkv * key blocks]: the Hopper backward's (batch, kv head, key block) items,
-    as b * Hkv * key blocks + kv head * key blocks + key block, by the visible query blocks
-    of their walks (every query head of the group, inside the causal/window limits), most
-    first; equal ones keep the grid's order. bits: as the kernel reads them. Under a random
-    block mask the walks differ by tens of percent, and in grid order the last wave ran a
-    few long ones on a mostly idle GPU."""
-    band = remember(
-        _BANDS,
-        (problem, tile_m, tile_n, bits.device),
-        lambda: _query_band(problem, tile_m, tile_n, bits.device),
-    )
-    visible = (bits & VISIBLE).bool()
-    if band is not None:
-        visible = visible & band
-    counts = visible.sum(2, dtype=torch.int32)  # [B', H', key blocks]
-    heads_kv, group = problem.num_heads_kv, problem.num_heads // problem.num_heads_kv
-    if counts.shape[1] == problem.num_heads and group > 1:
-        counts = counts.unflatten(1, (heads_kv, group)).sum(2)
-    counts = counts.expand(problem.batch, heads_kv, counts.shape[2]).flatten()
-    return torch.argsort(counts, descending=True, stable=True).to(torch.int32)
+    as b * Hkv * key blocks + kv head * key blocks + key block, by the query blocks their
+    causal/window limits leave them, most first; equal ones in grid order. In grid order
+    every run of key blocks holds the whole causal triangle, and the last wave ran long and
+    short walks side by side on a GPU that the short ones left idle. Made once per problem
+    and tile (the limits do not depend on the data)."""
+    key = (problem, tile_m, tile_n, device)
+    return remember(_ORDERS, key, lambda: _walk_order(problem, tile_m, tile_n, device))
 
 
 def bwd_spec(
@@ -499,7 +483,7 @@ def flash_bwd(
             )  # fmt: skip
         order = None
         if spec.ordered:
-            order = walk_order(bits, problem, spec.tile.tile_m, spec.tile.tile_n)
+            order = walk_order(problem, spec.tile.tile_m, spec.tile.tile_n, q.device)
         plan.kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, plan.splits, plan.query_splits,
             plan.rotate, mask_k,

@@ -7,8 +7,8 @@ MQA), each group's query heads are split over `head_splits` CTAs; when one key b
 is long enough to set the kernel's time (a masked long sequence, whose visible blocks may
 crowd into a few key columns), its query range is split over `query_splits` CTAs. Split CTAs
 (split_heads) add their fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add.
-With a mask (not deterministic) the CTAs take their (batch, kv head, key block) from an order
-the launch sorts by walk length, longest first (bwd_launch.walk_order). With a mask, the
+Under causal/window limits (not deterministic) the CTAs take their (batch, kv head, key
+block) from an order the launch sorts by walk length, longest first (bwd_launch.walk_order). With a mask, the
 block-bits pre-pass (kernels/block_bits.py, for this kernel's tiles) says which (query block,
 key block) tiles have a True element (visible) and which are all True (full): every role walks
 the same visible query blocks, a full one loads and applies no mask tile. Four roles:
@@ -132,9 +132,10 @@ class Sm90BwdSpec:
     @property
     def ordered(self) -> bool:
         """The CTAs take their (batch, kv head, key block) from a launch-sorted order, the
-        longest walks first (bwd_launch.walk_order): with a mask, whose walks differ in
-        length, unless deterministic, whose turns need lower key blocks launched first."""
-        return self.mask is not None and not self.deterministic
+        longest walks first (bwd_launch.walk_order): under causal/window limits, whose walks
+        differ in length, unless deterministic, whose turns need lower key blocks launched
+        first."""
+        return self.has_window and not self.deterministic
 
     dtype: str
     head_dim_padded: int
