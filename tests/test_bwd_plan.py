@@ -85,8 +85,9 @@ def test_deterministic_plans(bias_shape, hopper):
 )  # fmt: skip
 def test_walk_order(seqlen_q, seqlen_k, heads_kv, causal, window):
     """The Hopper backward's launch order under causal/window limits: every (batch, kv head,
-    key block) once, by the query blocks its walk may visit (brute force: the tiles holding
-    a (query, key) element of the band), most first, and equal counts in grid order."""
+    key block) once, in sections of (batch, kv head)s of about two waves of CTAs, each by the
+    query blocks its walk may visit (brute force: the tiles holding a (query, key) element of
+    the band), most first, and equal counts in grid order."""
     batch, tile_m, tile_n = 2, 64, 128
     q, k, v, _, _ = random_inputs(batch, seqlen_q, seqlen_k, 2 * heads_kv, heads_kv, 64,
                                   torch.bfloat16, "meta")  # fmt: skip
@@ -105,10 +106,14 @@ def test_walk_order(seqlen_q, seqlen_k, heads_kv, causal, window):
         for n in range(n_blocks):
             steps[n] += seen[m * tile_m : (m + 1) * tile_m, n * tile_n : (n + 1) * tile_n].any()
     counts = steps.repeat(batch * heads_kv)
-    order = walk_order(problem, tile_m, tile_n, torch.device("cpu"))
-    assert order.dtype == torch.int32
-    assert sorted(order.tolist()) == list(range(batch * heads_kv * n_blocks))
-    ranked = counts[order.long()]
-    assert (ranked[:-1] >= ranked[1:]).all() and ranked[0] > ranked[-1]
-    ties = ranked[:-1] == ranked[1:]
-    assert (order[:-1][ties] < order[1:][ties]).all()
+    # on 132 SMs, one CTA per item: every item in one section; on 2 SMs, one item each
+    for sms, section in ((132, batch * heads_kv), (2, 1)):
+        order = walk_order(problem, tile_m, tile_n, 1, sms, torch.device("cpu"))
+        assert order.dtype == torch.int32
+        assert sorted(order.tolist()) == list(range(batch * heads_kv * n_blocks))
+        for part in order.split(section * n_blocks):
+            assert sorted(part.tolist()) == list(range(part.min(), part.max() + 1))
+            ranked = counts[part.long()]
+            assert (ranked[:-1] >= ranked[1:]).all() and ranked[0] > ranked[-1]
+            ties = ranked[:-1] == ranked[1:]
+            assert (part[:-1][ties] < part[1:][ties]).all()

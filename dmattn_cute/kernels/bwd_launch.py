@@ -107,7 +107,7 @@ def head_splits(problem: Problem, tile_n: int, sms: int, query_split: int = 1) -
     return group
 
 
-def _walk_order(problem: Problem, tile_m: int, tile_n: int, device) -> torch.Tensor:
+def _walk_order(problem: Problem, tile_m: int, tile_n: int, waves: int, device) -> torch.Tensor:
     unbounded = problem.seqlen_q + problem.seqlen_k
     left = problem.window_left if problem.window_left >= 0 else unbounded
     right = problem.window_right if problem.window_right >= 0 else unbounded
@@ -120,22 +120,29 @@ def _walk_order(problem: Problem, tile_m: int, tile_n: int, device) -> torch.Ten
     m_min = (n * tile_n - diag - right).clamp(min=0) // tile_m
     m_end = -(-((n + 1) * tile_n - diag + left).clamp(min=0) // tile_m)
     steps = (torch.clamp(m_end, max=m_blocks) - m_min).clamp(min=0)
-    items = steps.expand(problem.batch * problem.num_heads_kv, n_blocks).flatten()
-    return torch.argsort(items, descending=True, stable=True).to(torch.int32).to(device)
+    items = problem.batch * problem.num_heads_kv
+    # sections of (batch, kv head)s whose CTAs make about `waves` waves, each sorted: the
+    # CTAs running at once share their Q/dO in L2, and the tail is one section's
+    section = torch.arange(items)[:, None] // max(1, waves // n_blocks)
+    rank = section * (steps.max() + 1) + steps.max() - steps
+    return torch.argsort(rank.flatten(), stable=True).to(torch.int32).to(device)
 
 
 _ORDERS: dict[tuple, torch.Tensor] = {}
 
 
-def walk_order(problem: Problem, tile_m: int, tile_n: int, device) -> torch.Tensor:
+def walk_order(
+    problem: Problem, tile_m: int, tile_n: int, ctas_per_item: int, sms: int, device
+) -> torch.Tensor:
     """int32 [B * Hkv * key blocks]: the Hopper backward's (batch, kv head, key block) items,
     as b * Hkv * key blocks + kv head * key blocks + key block, by the query blocks their
     causal/window limits leave them, most first; equal ones in grid order. In grid order
     every run of key blocks holds the whole causal triangle, and the last wave ran long and
     short walks side by side on a GPU that the short ones left idle. Made once per problem
     and tile (the limits do not depend on the data)."""
-    key = (problem, tile_m, tile_n, device)
-    return remember(_ORDERS, key, lambda: _walk_order(problem, tile_m, tile_n, device))
+    waves = -(-2 * sms // ctas_per_item)  # key blocks of two waves
+    key = (problem, tile_m, tile_n, waves, device)
+    return remember(_ORDERS, key, lambda: _walk_order(problem, tile_m, tile_n, waves, device))
 
 
 def bwd_spec(
@@ -483,7 +490,10 @@ def flash_bwd(
             )  # fmt: skip
         order = None
         if spec.ordered:
-            order = walk_order(problem, spec.tile.tile_m, spec.tile.tile_n, q.device)
+            order = walk_order(
+                problem, spec.tile.tile_m, spec.tile.tile_n,
+                plan.splits * plan.query_splits, sms, q.device,
+            )  # fmt: skip
         plan.kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, plan.splits, plan.query_splits,
             plan.rotate, mask_k,
