@@ -17,11 +17,11 @@ from dmattn_cute.problem import make_problem
 B, SQ, SK, H, HKV, D = 2, 300, 200, 4, 2, 64
 
 
-def backward(mask, bias, bias_grad=True, deterministic=False, heads_kv=HKV, batch=B):
+def backward(mask, bias, bias_grad=True, deterministic=False, heads_kv=HKV, batch=B, causal=False):
     q = torch.randn(batch, SQ, H, D, dtype=torch.bfloat16)
     k, v = (torch.randn(batch, SK, heads_kv, D, dtype=torch.bfloat16) for _ in range(2))
     problem, mask4, bias4 = make_problem(
-        q, k, v, mask, bias, None, False, 0.0, (-1, -1), deterministic
+        q, k, v, mask, bias, None, causal, 0.0, (-1, -1), deterministic
     )
     out, dout = torch.randn_like(q), torch.randn_like(q)
     stats = torch.zeros(batch, H, 2, SQ)
@@ -67,7 +67,7 @@ def test_heads_split_and_deterministic_rotation(launches) -> None:
     assert isinstance(spec, Sm90BwdSpec) and spec.split_heads and spec.deterministic
     splits, query_splits, rotate = args[9], args[10], args[11]
     assert splits == 4 and query_splits == 1 and rotate == 1
-    assert args[7].dtype == torch.float32 and args[17] is not None  # dk partials, dK/dV turns
+    assert args[7].dtype == torch.float32 and args[18] is not None  # dk partials, dK/dV turns
 
 
 def test_masked_long_walks_split_the_query_range(launches, monkeypatch) -> None:
@@ -82,7 +82,7 @@ def test_masked_long_walks_split_the_query_range(launches, monkeypatch) -> None:
     spec, args = launches["calls"][-1]
     assert isinstance(spec, Sm90BwdSpec) and spec.split_heads and args[10] == 3  # ceil(300/128)
     assert args[7].dtype == torch.float32 and not spec.dbias.direct
-    assert args[15].dtype == torch.float32 and dbias.dtype == torch.bfloat16
+    assert args[16].dtype == torch.float32 and dbias.dtype == torch.bfloat16
     backward(None, rows_bias)
     spec, args = launches["calls"][-1]
     assert args[10] == 1 and spec.dbias.direct
@@ -105,3 +105,20 @@ def test_the_kernels_setting_makes_another_plan(launches, monkeypatch) -> None:
     monkeypatch.setenv(KERNELS_ENV, "mma_sync")
     backward(None, None)
     assert kernels(launches) == [BwdPreprocessSpec, Sm90BwdSpec, BwdPreprocessSpec, BwdSpec]
+
+
+def test_causal_walks_launch_longest_first(launches) -> None:
+    """Under causal limits (not deterministic) the kernel takes a launch order (every (batch,
+    kv head, key block) once; bwd_launch.walk_order), made once per problem; without limits,
+    or deterministic, none."""
+    backward(None, None, causal=True)
+    spec, args = launches["calls"][-1]
+    n_blocks = -(-SK // spec.tile.tile_n)
+    assert spec.ordered and args[15].dtype == torch.int32
+    assert sorted(args[15].tolist()) == list(range(B * HKV * n_blocks))
+    backward(None, None, causal=True)
+    assert launches["calls"][-1][1][15] is args[15]  # the same order tensor
+    for causal, deterministic in ((False, False), (True, True)):
+        backward(None, None, causal=causal, deterministic=deterministic)
+        spec, args = launches["calls"][-1]
+        assert not spec.ordered and args[15] is None
