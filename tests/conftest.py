@@ -52,7 +52,8 @@ def _seed_per_test(request: pytest.FixtureRequest) -> None:
 def launches(monkeypatch: pytest.MonkeyPatch):
     """The launch code's kernels replaced by recorders, on sm_90a (CPU tensors): every
     compiled() request ("compiled": specs) and every kernel call ("calls": (spec, args)), in
-    order, of the forward, the backward and the block-bits pre-pass."""
+    order, of the forward, the backward and the block-bits pre-pass; a call with another
+    number of arguments than the variant's compiled function takes fails."""
     from dmattn_cute.jit import ARCH_ENV, cache
     from dmattn_cute.kernels import block_bits_launch, bwd_launch, fwd_launch
 
@@ -62,7 +63,15 @@ def launches(monkeypatch: pytest.MonkeyPatch):
 
     def compiled(spec, arch):
         record["compiled"].append(spec)
-        return lambda *args: record["calls"].append((spec, args))
+        # the compiled function's arguments: its example_args but the stream (TVM-FFI
+        # passes the current one)
+        takes = len(spec.example_args()) - 1
+
+        def call(*args):
+            assert len(args) == takes, f"{type(spec).__name__}: {len(args)} args, takes {takes}"
+            record["calls"].append((spec, args))
+
+        return call
 
     for module in (fwd_launch, bwd_launch, block_bits_launch):
         monkeypatch.setattr(module, "compiled", compiled)
