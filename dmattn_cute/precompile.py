@@ -36,6 +36,7 @@ from dmattn_cute.kernels.bwd_launch import (
 )
 from dmattn_cute.kernels.combine_launch import combine_spec
 from dmattn_cute.kernels.fwd_launch import bits_spec_of, forward_spec_of
+from dmattn_cute.kernels.paired_bits import paired_bits_spec
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, broadcast_view, make_problem
 
@@ -251,6 +252,11 @@ def planned_kernels(
         bwd_bits = backward_bits_spec_of(bwd)
         if bwd_bits is not None:
             kernels.append(("bits", bwd_bits))
+        # the eager path's one pre-pass for both (kernels/paired_bits.py), with a mask
+        if mask4 is not None and not expiry:
+            paired = paired_bits_spec(problem, mask4, bias4, bias is not None, arch, q.device)
+            if paired is not None:
+                kernels.append(("bits", paired))
     return kernels
 
 

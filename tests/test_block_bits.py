@@ -100,3 +100,14 @@ def test_bad_out_raises() -> None:
     out = torch.empty(2, 4, 3, 5, dtype=torch.uint8, device="meta")
     with pytest.raises(ValueError, match=r"out: expected a uint8 tensor of shape \(2, 4, 3, 4\)"):
         block_bits(meta_mask(2, 4, 300, 512), 300, 512, 128, 128, out=out)
+
+
+def test_spec_rejects_coarse_rows_of_a_one_row_mask() -> None:
+    """A query-broadcast mask has one row of tiles for every query block: nothing to stack."""
+    rows = OperandSpec("u8", ("d", "d", "0", "1"), 16)
+    with pytest.raises(ValueError, match="coarse_rows"):
+        BlockBitsSpec(rows, 64, 128, coarse_rows=2)
+    with pytest.raises(ValueError, match="coarse_rows"):
+        BlockBitsSpec(OperandSpec("u8", ("d", "d", "d", "1"), 16), 64, 128, coarse_rows=0)
+    assert BlockBitsSpec(rows, 64, 128).rounds == 1
+    assert BlockBitsSpec(OperandSpec("u8", ("d", "d", "d", "1"), 16), 64, 128, 2).rounds == 3

@@ -6,11 +6,20 @@ so a tile the kernel fails to write shows up as a failure.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from dmattn_cute.jit import compile_count, load_count
-from dmattn_cute.kernels.block_bits_launch import block_bits, block_bits_shape, mask_view
+from dmattn_cute.jit.arch import target_arch
+from dmattn_cute.kernels.block_bits_launch import (
+    block_bits,
+    block_bits_shape,
+    block_bits_spec,
+    launch_paired_bits,
+    mask_view,
+)
 from dmattn_cute.kernels.masking import FULL, VISIBLE
 
 pytestmark = pytest.mark.gpu
@@ -169,3 +178,32 @@ def test_one_compile_serves_all_lengths():
         mask = make_mask("full", "tiles", 2, 3, seqlen_q, seqlen_k, 128, 128)
         check_bits(mask, seqlen_q, seqlen_k, 128, 128)
     assert compile_count() + load_count() == before
+
+
+@pytest.mark.parametrize("content", ["tiles", "true"])
+@pytest.mark.parametrize("tile_m,tile_n,rows", [(64, 128, 2), (64, 64, 3), (128, 80, 2)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 300), (65, 256), (129, 200), (300, 4095)])
+@pytest.mark.parametrize("layout", ["full", "head-bcast", "expanded", "key-bcast", "offset",
+                                    "transposed"])  # fmt: skip
+def test_paired_bits_match_reference(layout, seqlen_q, seqlen_k, tile_m, tile_n, rows, content):
+    """One pass writes the bits of (tile_m, tile_n) tiles and of (rows * tile_m, tile_n)
+    ones (the forward's, from the backward's pre-pass), each as defined at its own tile: a
+    stack of tiles with rows past Sq is never FULL."""
+    mask = make_mask(layout, content, 2, 3, seqlen_q, seqlen_k, tile_m, tile_n)
+    view = mask_view(mask, seqlen_q, seqlen_k)
+    spec = dataclasses.replace(block_bits_spec(view, seqlen_k, tile_m, tile_n), coarse_rows=rows)
+    fine = block_bits_shape(view, seqlen_q, seqlen_k, tile_m, tile_n)
+    coarse = block_bits_shape(view, seqlen_q, seqlen_k, rows * tile_m, tile_n)
+    out = tuple(torch.full(s, POISON, dtype=torch.uint8, device="cuda") for s in (fine, coarse))
+    got = launch_paired_bits(view, spec, seqlen_q, seqlen_k, target_arch(view.device), out)
+    torch.cuda.synchronize()
+    for bits, m in zip(got, (tile_m, rows * tile_m), strict=True):
+        expected = bits_ref(mask, seqlen_q, seqlen_k, m, tile_n)
+        wrong = (bits != expected).nonzero()
+        assert wrong.numel() == 0, (
+            f"tile_m {m}: {len(wrong)} of {bits.numel()} tiles wrong, first at "
+            f"{wrong[0].tolist()}: got {bits[tuple(wrong[0])].item()}, expected "
+            f"{expected[tuple(wrong[0])].item()}"
+        )
+    if content == "true" and seqlen_q >= rows * tile_m:
+        assert (got[1] & FULL).any()  # FULL stacks exist to be found

@@ -67,6 +67,13 @@ def test_heads_split_and_deterministic_rotation(launches) -> None:
     assert isinstance(spec, Sm90BwdSpec) and spec.split_heads and spec.deterministic
     splits, query_splits, rotate = args[9], args[10], args[11]
     assert splits == 4 and query_splits == 1 and rotate == 1
+    # dq and the dk / dv partial sums: zeroed fp32 parts of one allocation, 16-byte aligned
+    accumulators = args[6:9]
+    base = accumulators[0].untyped_storage().data_ptr()
+    for t in accumulators:
+        assert t.dtype == torch.float32 and t.is_contiguous() and not t.any()
+        assert t.untyped_storage().data_ptr() == base and t.data_ptr() % 16 == 0
+    assert [t.shape for t in accumulators] == [(1, SQ, H, D), (1, SK, 1, D), (1, SK, 1, D)]
     assert args[7].dtype == torch.float32 and args[18] is not None  # dk partials, dK/dV turns
 
 

@@ -391,6 +391,24 @@ def test_block_bits_compile(target: str, mask: OperandSpec, tile_m: int, tile_n:
     assert "vote.sync.ballot.b32" in ptx
 
 
+@pytest.mark.parametrize(
+    ("mask", "tile_m", "tile_n", "rows"),
+    [pytest.param(FULL_MASK, 64, 128, 2, id="full-v16-two-warps"),
+     pytest.param(KEY_BCAST_MASK, 64, 80, 3, id="keybcast-v1")],
+)  # fmt: skip
+def test_paired_block_bits_compile(mask: OperandSpec, tile_m: int, tile_n: int, rows: int):
+    """The pre-pass that also writes the bits of `rows` stacked tiles (the Hopper forward's,
+    from the backward's pass): a byte per tile and round, ballots per round."""
+    spec = BlockBitsSpec(mask, tile_m, tile_n, rows)
+    with tempfile.TemporaryDirectory() as dump_dir:
+        kernel = spec.compile("sm_90a", f"--keep-ptx --dump-dir {dump_dir}")
+    ptx = kernel.artifacts.PTX
+    assert launch_smem_bytes(kernel) == smem_total(spec.smem_buffers())
+    assert set(re.findall(r"\bst\.global\.\S+", ptx)) == {"st.global.b8"}
+    assert len(re.findall(r"\bst\.global\.\S+", ptx)) >= rows + 1
+    assert len(re.findall(r"vote\.sync\.ballot\.b32", ptx)) == 2 * (rows + 1)
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_hopper_short_query_forward_compiles(head_dim: int) -> None:
     """Decode (at most SHORT_QUERY_ROWS query rows): 64-key tiles with a query-broadcast mask

@@ -1,6 +1,7 @@
-"""One block-bits pre-pass for a forward and its backward (kernels/paired_bits.py), on the CPU:
-the forward's bits derived from the backward's equal the pre-pass's definition at the
-forward's tiles, and with recorder kernels the pre-pass runs once for both launches."""
+"""One block-bits pre-pass for a forward and its backward (kernels/paired_bits.py): with
+recorder kernels (CPU), one pre-pass launch writes both kernels' bits; on the GPU the paired
+eager path equals the ops, which run a pre-pass per kernel (the bits themselves against their
+definition: tests/test_block_bits_gpu.py)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,12 @@ import torch
 
 from dmattn_cute.kernels import bwd_launch, fwd_launch
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
-from dmattn_cute.kernels.paired_bits import coarsen_bits, paired_bits
+from dmattn_cute.kernels.paired_bits import paired_bits
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 from dmattn_cute.ops import eager_attention
 from dmattn_cute.problem import make_problem
-from tests.test_block_bits_gpu import bits_ref
 from tests.utils import random_inputs
-
-
-@pytest.mark.parametrize("seqlen_q", [64, 100, 128, 300, 320, 448])
-@pytest.mark.parametrize("rows", ["full", "query-broadcast"])
-def test_coarsened_bits_are_the_bits_of_the_wider_tiles(seqlen_q, rows) -> None:
-    seqlen_k = 520
-    shape = (2, 3, seqlen_q if rows == "full" else 1, seqlen_k)
-    # 64 x 128 blocks, True or False, and a few single False elements: every kind of tile
-    mask = torch.rand(2, 3, shape[2] // 64 + 1, seqlen_k // 128 + 1) < 0.6
-    mask = mask.repeat_interleave(64, 2)[:, :, : shape[2]].repeat_interleave(128, 3)
-    mask = mask[..., :seqlen_k] & (torch.rand(shape) > 2e-5)
-    mask[:, :, :64, :128] = True  # at least one all-True 64 x 128 tile
-    narrow = bits_ref(mask, seqlen_q, seqlen_k, 64, 128)
-    wide = bits_ref(mask, seqlen_q, seqlen_k, 128, 128)
-    got = coarsen_bits(narrow, 2, -(-seqlen_q // 128), rows == "query-broadcast")
-    assert torch.equal(got, wide)
-    assert (narrow & 2).any() or rows == "query-broadcast"  # the test sees FULL tiles
 
 
 def test_one_pre_pass_serves_both_kernels(launches) -> None:
@@ -47,14 +30,18 @@ def test_one_pre_pass_serves_both_kernels(launches) -> None:
         problem, torch.randn_like(q), q, k, v, mask4, bias4, out, stats, True, bits=backward_bits
     )
     kinds = [type(spec) for spec, _ in launches["calls"]]
-    # the pre-pass (at the backward's 64-row tiles), the forward, the preprocess, the backward
+    # one pre-pass (at the backward's 64-row tiles, writing the forward's 128-row bits too),
+    # the forward, the preprocess, the backward
     assert kinds.count(BlockBitsSpec) == 1 and kinds[0] is BlockBitsSpec
-    (bits_spec, _), (fwd_spec, fwd_args) = launches["calls"][0], launches["calls"][1]
+    (bits_spec, bits_args), (fwd_spec, fwd_args) = launches["calls"][0], launches["calls"][1]
     bwd_spec, bwd_args = launches["calls"][-1]
     assert isinstance(fwd_spec, Sm90FwdSpec) and isinstance(bwd_spec, Sm90BwdSpec)
     assert (bits_spec.tile_m, bits_spec.tile_n) == (bwd_spec.tile.tile_m, bwd_spec.tile.tile_n)
-    assert fwd_args[8].data_ptr() == forward_bits.data_ptr() and bwd_args[14] is backward_bits
+    assert bits_spec.coarse_rows * bits_spec.tile_m == fwd_spec.tile.tile_m
+    assert bits_args[2] is forward_bits and fwd_args[8].data_ptr() == forward_bits.data_ptr()
+    assert bits_args[1].data_ptr() == backward_bits.data_ptr() and bwd_args[14] is backward_bits
     assert forward_bits.shape[2] == -(-300 // fwd_spec.tile.tile_m)
+    assert backward_bits.shape[2] == -(-300 // bwd_spec.tile.tile_m)
 
 
 def test_bits_of_another_tile_are_refused(launches) -> None:

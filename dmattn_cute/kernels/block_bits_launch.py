@@ -84,10 +84,38 @@ def launch_block_bits(
 ) -> torch.Tensor:
     """block_bits on a kernel view (mask_view) whose variant the caller already knows (the
     forward launch: its mask view and operand spec are the forward's own)."""
+    if spec.coarse_rows != 1:
+        raise ValueError("launch_block_bits: a variant with coarse bits takes launch_paired_bits")
     if out is None:
         shape = block_bits_shape(view, seqlen_q, seqlen_k, spec.tile_m, spec.tile_n)
         out = torch.empty(shape, dtype=torch.uint8, device=view.device)
-    compiled(spec, arch)(view, out, seqlen_q, seqlen_k)
+    compiled(spec, arch)(view, out, None, seqlen_q, seqlen_k)
+    return out
+
+
+def launch_paired_bits(
+    view: torch.Tensor,
+    spec: BlockBitsSpec,
+    seqlen_q: int,
+    seqlen_k: int,
+    arch: str,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bits, coarse bits) of a kernel view from one pass, for a variant with coarse_rows > 1:
+    the coarse ones are those of (coarse_rows * tile_m, tile_n) tiles. `out`: the two
+    tensors to write, of those shapes (uint8)."""
+    shape = block_bits_shape(view, seqlen_q, seqlen_k, spec.tile_m, spec.tile_n)
+    coarse_shape = (*shape[:2], -(-shape[2] // spec.coarse_rows), shape[3])
+    if out is None:
+        out = tuple(
+            torch.empty(s, dtype=torch.uint8, device=view.device) for s in (shape, coarse_shape)
+        )
+    for tensor, want in zip(out, (shape, coarse_shape), strict=True):
+        if tuple(tensor.shape) != want or tensor.dtype != torch.uint8:
+            raise ValueError(
+                f"out: expected uint8 {want}, got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+    compiled(spec, arch)(view, *out, seqlen_q, seqlen_k)
     return out
 
 
@@ -116,6 +144,7 @@ __all__ = [
     "block_bits_spec",
     "kernel_bits_view",
     "launch_block_bits",
+    "launch_paired_bits",
     "mask_block_bits",
     "mask_view",
 ]

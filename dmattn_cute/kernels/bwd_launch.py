@@ -14,6 +14,7 @@ and cast (see kernels/bwd.py).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -381,6 +382,13 @@ def _variant(problem, mask, bias, bias_grad: bool, arch: str, device) -> BwdSpec
     )
 
 
+def _zeroed_fp32(shapes: list[torch.Size], device) -> list[torch.Tensor]:
+    """Zeroed contiguous fp32 tensors of these shapes, carved in order from one allocation."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
+
+
 def flash_bwd(
     problem: Problem,
     dout: torch.Tensor,
@@ -449,7 +457,10 @@ def flash_bwd(
     )
     if dpsum.numel():
         plan.pre_kernel(out, dout, dpsum)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # fp32 accumulators, zeroed by one fill: dq, and with split heads the dk / dv partial
+    # sums (each part starts on a multiple of D floats: 32-byte aligned, as TMA needs 16)
+    split = isinstance(spec, Sm90BwdSpec) and spec.split_heads
+    dq_acc, *kv_acc = _zeroed_fp32([q.shape, k.shape, v.shape] if split else [q.shape], q.device)
     kind, _, dbias, dbias_buf = _dbias_buffers(
         problem, bias, bias_grad, query_split=plan.query_splits > 1
     )
@@ -479,7 +490,7 @@ def flash_bwd(
                     from_blocks = from_blocks & bits
                 bits = kernel_bits_view(from_blocks, -(-problem.seqlen_q // plan.bits_tile[0]))
         if spec.split_heads:  # fp32 partial sums of the CTAs that share a kv head
-            dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+            dk, dv = kv_acc
         else:
             dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
         sem_kv = None  # deterministic split: the dK/dV partial sums' turns per key block

@@ -264,7 +264,7 @@ def flash_fwd(
                 raise ValueError(f"bits: expected {plan.bits_shape}, got {tuple(bits.shape)}")
         elif blocks is None or mask_given:
             bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
-            plan.bits_kernel(mask, bits, problem.seqlen_q, problem.seqlen_k)
+            plan.bits_kernel(mask, bits, None, problem.seqlen_q, problem.seqlen_k)
         if blocks is None:
             bits = bits.as_strided(plan.bits_view_shape, plan.bits_strides)
         else:

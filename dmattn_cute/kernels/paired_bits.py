@@ -1,37 +1,22 @@
 """One block-bits pre-pass for a forward and the backward that follows it (the eager path with
 a mask and a gradient): the Hopper backward's query tiles divide the Hopper forward's and their
-key tiles are equal, so the pre-pass runs once at the backward's tiles and the forward's bits
-are those ORed (VISIBLE) and ANDed (FULL) over each forward tile's rows; the mask is read once
-instead of twice."""
+key tiles are equal, so the pre-pass runs once at the backward's tiles and also writes the
+forward's bits, those ORed (VISIBLE) and ANDed (FULL) over each forward tile's rows of tiles
+(BlockBitsSpec.coarse_rows); the mask is read once instead of twice, in one launch."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..jit.arch import hopper_kernels
 from ..memo import remember
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import kernel_bits_view, launch_block_bits
+from .block_bits_launch import kernel_bits_view, launch_block_bits, launch_paired_bits
 from .bwd_launch import backward_spec_of
 from .fwd_launch import forward_spec_of
 from .launch import kernel_layout, operand_view
-from .masking import FULL, VISIBLE
 from .sm90.bwd import Sm90BwdSpec
 from .sm90.fwd import Sm90FwdSpec
-
-
-def coarsen_bits(
-    bits: torch.Tensor, ratio: int, m_blocks: int, rows_shared: bool = False
-) -> torch.Tensor:
-    """Bits [B', H', R, N] of (tile_m, tile_n) tiles as those of (ratio * tile_m, tile_n)
-    tiles, m_blocks of them: VISIBLE where any of a tile's rows of tiles is, FULL where all are.
-    A row past the last one (past Sq) counts as not FULL: the tile is a tail tile. The one row
-    of a query-broadcast mask (rows_shared) stays as it is."""
-    if rows_shared or ratio == 1:
-        return bits
-    rows = F.pad(bits, (0, 0, 0, m_blocks * ratio - bits.shape[2])).unflatten(2, (m_blocks, ratio))
-    return (rows & VISIBLE).amax(3) | (rows & FULL).amin(3)
 
 
 def _pairing(problem, mask, bias, bias_grad: bool, arch: str, device):
@@ -43,11 +28,20 @@ def _pairing(problem, mask, bias, bias_grad: bool, arch: str, device):
     (fwd_m, fwd_n), (bwd_m, bwd_n) = ((s.tile.tile_m, s.tile.tile_n) for s in (fwd, bwd))
     if fwd_n != bwd_n or fwd_m % bwd_m:
         return None
-    return BlockBitsSpec(bwd.mask, bwd_m, bwd_n), fwd_m, bwd_m
+    rows = 1 if bwd.mask.row_broadcast else fwd_m // bwd_m
+    return BlockBitsSpec(bwd.mask, bwd_m, bwd_n, rows), fwd_m, bwd_m
 
 
 # _pairing by (problem, arch, kernel family, device, mask/bias layouts, dbias request).
 _PAIRINGS: dict[tuple, tuple | None] = {}
+
+
+def paired_bits_spec(
+    problem, mask: torch.Tensor, bias: torch.Tensor | None, bias_grad: bool, arch: str, device
+) -> BlockBitsSpec | None:
+    """The one pre-pass of a paired forward and backward (None where they do not pair)."""
+    pairing = _pairing(problem, mask, bias, bias_grad, arch, device)
+    return None if pairing is None else pairing[0]
 
 
 def paired_bits(
@@ -71,11 +65,13 @@ def paired_bits(
     )
     if pairing is None:
         return None
-    spec, fwd_m, bwd_m = pairing
-    bits = launch_block_bits(view, spec, problem.seqlen_q, problem.seqlen_k, arch)
-    m_blocks = -(-problem.seqlen_q // fwd_m)
-    forward = coarsen_bits(bits, fwd_m // bwd_m, m_blocks, spec.mask.row_broadcast)
+    spec, _, bwd_m = pairing
+    seqlens = (problem.seqlen_q, problem.seqlen_k)
+    if spec.coarse_rows == 1:  # equal tiles, or one row of tiles for every query block
+        bits = forward = launch_block_bits(view, spec, *seqlens, arch)
+    else:
+        bits, forward = launch_paired_bits(view, spec, *seqlens, arch)
     return forward, kernel_bits_view(bits, -(-problem.seqlen_q // bwd_m))
 
 
-__all__ = ["coarsen_bits", "paired_bits"]
+__all__ = ["paired_bits", "paired_bits_spec"]
