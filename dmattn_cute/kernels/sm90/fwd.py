@@ -1,7 +1,10 @@
 """Hopper forward (sm_90a): warp-specialized wgmma kernel with bias-first scores, mask tiles and
 block skip.
 
-One CTA per (query block, head, batch), longest causal rows first. Three warpgroups:
+One CTA per (query block, head, batch), longest causal rows first: under causal/window limits
+the CTAs run in sections of query heads whose K and V fit in half of L2, and within a section
+the query block varies slowest (longest first), so the last wave runs every head's short rows
+instead of one head's long ones while the rest of the GPU idles. Three warpgroups:
 
 - the producer (warps 0-3, few registers): warp 0 loads Q once and K, V per visible key block
   by TMA into `stages` smem stages, and the bias tile too when its rows allow (16-bit,
@@ -68,6 +71,9 @@ from ..softmax import OnlineSoftmax
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from ..utils import acc_as_a_operand, acc_mn_view, round_pairs
 from .wgmma import smem_layout, wgmma
+
+# K and V bytes a section of longest-first CTAs may keep in L2 (half of an H100's 50 MB).
+_L2_SECTION_BYTES = 25 << 20
 
 # Named barriers (0 is the CTA-wide one).
 _EPILOGUE_BARRIER = 1  # the consumers, before O overwrites sQ and before its TMA store
@@ -283,6 +289,25 @@ class FlashFwdSm90:
             use_pdl=True,
         )  # fmt: skip
 
+    @cute.jit
+    def longest_first(self, m_rev, h, z, seqlen_k, group):
+        """(m_rev, h, z) of this CTA's launch position, counted in sections of query heads
+        (h fastest, then z; whole GQA groups) whose K and V fit in _L2_SECTION_BYTES, with
+        the query block slowest within a section: a bijection of the grid."""
+        n_m, n_h, n_z = cute.arch.grid_dim()
+        key_bytes = 2 * self.head_dim_padded * dtype_bytes(self.spec.dtype)  # K and V
+        kv_heads = cutlass.max(
+            cutlass.Int32(_L2_SECTION_BYTES // key_bytes) // cutlass.max(seqlen_k, 1), 1
+        )
+        pairs = n_h * n_z
+        heads = cutlass.min(kv_heads * group, pairs)
+        linear = m_rev + n_m * (h + n_h * z)
+        first = linear // (n_m * heads) * heads
+        count = cutlass.min(heads, pairs - first)
+        within = linear - first * n_m
+        hz = first + within % count
+        return within // count, hz % n_h, hz // n_h
+
     @cute.kernel
     def kernel(
         self,
@@ -330,6 +355,8 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(tma_bias)
         m_blocks = cute.ceil_div(seqlen_q, tm)
         m_rev, h, b = cute.arch.block_idx()
+        if cutlass.const_expr(spec.has_window):
+            m_rev, h, b = self.longest_first(m_rev, h, b, seqlen_k, group)
         m_block = m_blocks - 1 - m_rev  # last query blocks first: under causal, the longest
         limits = masking.BlockLimits(
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
