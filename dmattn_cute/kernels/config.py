@@ -335,6 +335,12 @@ class Sm90BwdTile:
         return self.tile_n == 128
 
 
+def transposed_stats(bias: object | None) -> int:
+    """Stats per query row in the transposed backward's smem stages: the log2 row sum and
+    dpsum, and with a bias the row max."""
+    return 2 if bias is None else 3
+
+
 def sm90_bwd_smem_buffers(
     tile: Sm90BwdTile,
     head_dim_padded: int,
@@ -360,7 +366,7 @@ def sm90_bwd_smem_buffers(
     if tile.transposed:  # P stays in registers; dS in one buffer per stage
         buffers.append(SmemBuffer("ds", tile.stages * tm * tn * elem_bytes, 1024))
         # the log2 row sums, dpsums and (with a bias) row maxima of each stage's query rows
-        stats = 2 if bias is None else 3
+        stats = transposed_stats(bias)
         buffers.append(SmemBuffer("stats", tile.stages * stats * tm * 4, 16))
     else:
         buffers.append(SmemBuffer("p", tm * tn * elem_bytes, 1024))

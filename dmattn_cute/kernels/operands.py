@@ -194,12 +194,13 @@ def mask_scan(op, mMask, b, hm, limits, m_block, n_block, used, num_threads, tid
 
 
 @cute.jit
-def tiles_landed(pipe_tiles, state, mask, bias):
+def tiles_landed(pipe_tiles, state, mask, bias, stores: cutlass.Constexpr[bool] = False):
     """A producer thread's arrive on the full barrier of a cp.async mask/bias stage once its
     copies have landed (mask, bias: the kernel's OperandSpecs, None where absent). A copy
-    narrower than 4 bytes is a plain load + store: the thread then waits for its cp.async
-    copies and arrives with release semantics, which publishes both."""
-    narrow = False
+    narrower than 4 bytes is a plain load + store, and `stores` says the thread wrote the
+    stage with plain stores too: it then waits for its cp.async copies and arrives with
+    release semantics, which publishes both."""
+    narrow = stores
     for op in (mask, bias):
         if cutlass.const_expr(op is not None):
             narrow = narrow or op.vec * dtype_bytes(op.dtype) < 4

@@ -93,6 +93,7 @@ from ..config import (
     sm90_bwd_smem_buffers,
     sm90_bwd_tile,
     smem_total,
+    transposed_stats,
 )
 from ..dbias import DbiasWriter
 from ..masking import FULL, VISIBLE
@@ -556,7 +557,7 @@ class FlashBwdSm90:
         sdQ = tiles.swizzled_smem_tensor(smem["dq"], cutlass.Float32, sdQ_layout)
         sStats = None  # transposed: (log2 row sum / dpsum / row max, query row, stage)
         if cutlass.const_expr(self.transposed):
-            stats = 2 if cutlass.const_expr(spec.bias is None) else 3
+            stats = transposed_stats(spec.bias)
             sStats = tiles.smem_tensor(
                 smem["stats"],
                 cutlass.Float32,
@@ -748,11 +749,7 @@ class FlashBwdSm90:
                 if query < limits.seqlen_q:
                     value = stats[i][query]
                 sStats[i, row, state.index] = value
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.mbarrier_arrive(pipe_tiles.producer_get_barrier(state))
-        else:
-            operands.tiles_landed(pipe_tiles, state, spec.mask, spec.bias)
+        operands.tiles_landed(pipe_tiles, state, spec.mask, spec.bias, self.transposed)
 
     @cute.jit
     def reduce_dq(self, tdQ, sdQ, tma_dq, walk, mSem):
