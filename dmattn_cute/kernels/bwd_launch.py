@@ -109,13 +109,11 @@ def head_splits(problem: Problem, tile_n: int, sms: int, query_split: int = 1) -
 
 
 def _walk_order(problem: Problem, tile_m: int, tile_n: int, waves: int, device) -> torch.Tensor:
-    unbounded = problem.seqlen_q + problem.seqlen_k
-    left = problem.window_left if problem.window_left >= 0 else unbounded
-    right = problem.window_right if problem.window_right >= 0 else unbounded
-    if problem.is_causal:
-        right = min(right, 0)
+    # the kernel's window sides (causal: right 0), then masking.BlockLimits.query_block_range
+    # of every key block
+    limits = kernel_scalars(BwdScalars, problem, None, None)
+    left, right = limits.window_left, limits.window_right
     m_blocks, n_blocks = -(-problem.seqlen_q // tile_m), -(-problem.seqlen_k // tile_n)
-    # masking.BlockLimits.query_block_range of every key block
     diag = problem.seqlen_k - problem.seqlen_q
     n = torch.arange(n_blocks)
     m_min = (n * tile_n - diag - right).clamp(min=0) // tile_m

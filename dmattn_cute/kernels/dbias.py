@@ -16,7 +16,7 @@ import cutlass
 from cutlass import cute
 
 from .masking import BlockLimits
-from .utils import acc_mn_view
+from .utils import acc_mn_view, quad_allreduce_sum
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,7 @@ class DbiasWriter:
         if cutlass.const_expr(self.transposed):
             lane = self.tidx % 32
             for r in cutlass.range_constexpr(cute.size(self.colsum)):
-                value = self.colsum[r]
-                for offset in cutlass.range_constexpr(2):
-                    value = value + cute.arch.shuffle_sync_bfly(value, offset=1 << offset)
+                value = quad_allreduce_sum(self.colsum[r])
                 key = self.coord_mn[r, 0][0]
                 if lane % 4 == 0 and key < self.limits.seqlen_k:
                     self.add((b, h_bias, 0, key), value)
