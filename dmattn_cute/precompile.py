@@ -227,11 +227,14 @@ def kernel_specs(
 
 def planned_kernels(
     arch: str, q, k, v, mask, bias, is_causal=False, softcap=0.0, deterministic=False,
-    backward=True,
+    backward=True, eager=False,
 ) -> list[tuple[str, object]]:  # fmt: skip
     """(kind, spec) of every kernel a flash_dmattn_func call on these tensors runs on `arch`
     (its backward too, if `backward`), planned by the launches' own code. An int32 `mask` is
-    a key_expiry: the Hopper kernels' mask operand, an element mask elsewhere."""
+    a key_expiry: the Hopper kernels' mask operand, an element mask elsewhere. With `eager`,
+    those of the eager path alone, whose forward and backward may share one block-bits
+    pre-pass (kernels/paired_bits.py) in place of their own; otherwise also those of the
+    torch ops' path, where each kernel runs its own."""
     expiry = mask is not None and mask.dtype in (torch.int32, torch.int64)
     problem, mask4, bias4 = make_problem(
         q, k, v, None if expiry else mask, bias, None, is_causal, softcap, (-1, -1),
@@ -242,21 +245,22 @@ def planned_kernels(
         if not hopper_kernels(arch):  # the element mask it becomes: [Be, He, Sq, Sk]
             rows = (*mask.shape[:2], problem.seqlen_q, problem.seqlen_k)
             mask4 = broadcast_view(torch.empty(rows, dtype=torch.bool, device=mask.device))
+    paired = None
+    if backward and mask4 is not None and not expiry:
+        paired = paired_bits_spec(problem, mask4, bias4, bias is not None, arch, q.device)
+    own_bits = not (eager and paired is not None)
     kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch))]
     bits = bits_spec_of(problem, mask4, bias4, arch)
-    if bits is not None:
+    if bits is not None and own_bits:
         kernels.append(("bits", bits))
     if backward:
         bwd = backward_spec_of(problem, mask4, bias4, bias is not None, arch, q.device)
         kernels += [("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)), ("bwd", bwd)]
         bwd_bits = backward_bits_spec_of(bwd)
-        if bwd_bits is not None:
+        if bwd_bits is not None and own_bits:
             kernels.append(("bits", bwd_bits))
-        # the eager path's one pre-pass for both (kernels/paired_bits.py), with a mask
-        if mask4 is not None and not expiry:
-            paired = paired_bits_spec(problem, mask4, bias4, bias is not None, arch, q.device)
-            if paired is not None:
-                kernels.append(("bits", paired))
+    if paired is not None:
+        kernels.append(("bits", paired))
     return kernels
 
 

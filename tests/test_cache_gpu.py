@@ -50,15 +50,17 @@ def test_precompiled_kernels_load_with_zero_compiles(
             out = flash_dmattn_func(q, k, v, mask, bias, **pattern.options())
         assert out.isfinite().all()
     loaded = cache.load_count() - loads
-    # what the calls ran: one variant of each kernel (the Hopper backward's heads split or
-    # not, by the sizes of the call), all of them precompiled
+    # what the calls ran, on the eager path: a forward and backward (the Hopper backward's
+    # heads split or not, by the sizes of the call), then a forward alone; all precompiled
     ran = {
         spec
         for pattern in patterns
+        for backward in (True, False)
         for _, spec in precompile.planned_kernels(
-            arch, *pattern.inputs("cuda", seqlen=256), **pattern.options()
+            arch, *pattern.inputs("cuda", seqlen=256), **pattern.options(), backward=backward,
+            eager=True,
         )
-    }
+    }  # fmt: skip
     with capsys.disabled():
         print(
             f"\n{torch.cuda.get_device_name()} ({arch}): {stdout}\n"
