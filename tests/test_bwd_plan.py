@@ -33,6 +33,21 @@ def test_head_splits(batch, seqlen, heads, heads_kv, splits):
     assert head_splits(problem, 128, 132) == splits
 
 
+@pytest.mark.parametrize(
+    ("batch", "heads", "heads_kv", "splits"),
+    [
+        (2, 16, 4, 4),  # 256 CTAs: four waves want 528
+        (2, 16, 16, 1),  # 1024 CTAs
+        (1, 32, 1, 32),  # MQA: 32 CTAs, the whole group
+    ],
+)
+def test_masked_head_splits_fill_four_waves(batch, heads, heads_kv, splits):
+    problem, _, _ = problem_of(batch, 4096, heads, heads_kv)
+    assert head_splits(problem, 128, 132, masked=True) == splits
+    deterministic = dataclasses.replace(problem, deterministic=True)
+    assert head_splits(deterministic, 128, 132, masked=True) == head_splits(deterministic, 128, 132)
+
+
 @pytest.mark.parametrize(("heads_kv", "split"), [(16, False), (1, True)])
 def test_hopper_spec_splits_small_grids(heads_kv, split):
     problem, mask4, bias4 = problem_of(1, 4096, 16, heads_kv)

@@ -96,14 +96,20 @@ def query_splits(problem: Problem, masked: bool, arch: str) -> int:
     return -(-problem.seqlen_q // QUERY_SPLIT_ROWS)
 
 
-def head_splits(problem: Problem, tile_n: int, sms: int, query_split: int = 1) -> int:
+def head_splits(
+    problem: Problem, tile_n: int, sms: int, query_split: int = 1, masked: bool = False
+) -> int:
     """CTAs per group of query heads in the Hopper backward: 1 when (key blocks x kv heads x
-    batch x query splits) CTAs fill two waves of `sms` SMs, else the smallest divisor of the
-    group that does (the group size if none does)."""
+    batch x query splits) CTAs fill `waves` waves of `sms` SMs, else the smallest divisor of
+    the group that does (the group size if none does). Two waves, or four for a masked,
+    non-deterministic call: a sparse mask leaves the walks of different key blocks uneven, and
+    shorter walks even out the last wave (H100, block density 0.25: backward -3 to -5% with
+    four where two split the heads; a dense mask loses 1%)."""
+    waves = 4 if masked and not problem.deterministic else 2
     group = problem.num_heads // problem.num_heads_kv
     ctas = problem.batch * problem.num_heads_kv * -(-problem.seqlen_k // tile_n) * query_split
     for splits in range(1, group + 1):
-        if group % splits == 0 and ctas * splits >= 2 * sms:
+        if group % splits == 0 and ctas * splits >= waves * sms:
             return splits
     return group
 
@@ -181,7 +187,8 @@ def bwd_spec(
             spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
         if spec is not None:
             splits = query_splits(problem, mask is not None, arch)
-            if splits > 1 or head_splits(problem, spec.tile.tile_n, sms, splits) > 1:
+            masked = mask is not None
+            if splits > 1 or head_splits(problem, spec.tile.tile_n, sms, splits, masked) > 1:
                 spec = Sm90BwdSpec.build(
                     arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True,
                     deterministic=problem.deterministic,
@@ -351,7 +358,9 @@ def _plan(
     if isinstance(spec, Sm90BwdSpec):
         tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
         bits_tile = (tile_m, tile_n) if mask is not None else None
-        splits = head_splits(problem, tile_n, sms, split) if spec.split_heads else 1
+        splits = (
+            head_splits(problem, tile_n, sms, split, mask is not None) if spec.split_heads else 1
+        )
         # deterministic walks start at their own key block when every key block of a
         # (batch, kv head) fits on the GPU at once and there are as many query blocks
         m_blocks = -(-problem.seqlen_q // tile_m)
