@@ -28,6 +28,7 @@ import torch
 from dmattn_cute.decode import chunk_operands, decode_splits
 from dmattn_cute.jit import cache
 from dmattn_cute.jit.arch import SUPPORTED_ARCHS, hopper_kernels
+from dmattn_cute.kernels.bwd import BwdSpec
 from dmattn_cute.kernels.bwd_launch import (
     backward_bits_spec_of,
     backward_spec_of,
@@ -219,7 +220,10 @@ def kernel_specs(
     q, k, v, mask, bias = pattern.inputs(device)
     kernels = planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
     for kind, spec in list(kernels):
-        if isinstance(spec, Sm90BwdSpec) and q.shape[2] > k.shape[2]:
+        splittable = isinstance(spec, Sm90BwdSpec) or (
+            isinstance(spec, BwdSpec) and spec.can_split_heads
+        )
+        if splittable and q.shape[2] > k.shape[2]:
             # whether a group's heads are split over CTAs depends on the sizes of the call
             kernels.append((kind, dataclasses.replace(spec, split_heads=not spec.split_heads)))
     return kernels

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dmattn_cute import precompile
+from dmattn_cute.kernels.bwd import BwdSpec
 from dmattn_cute.kernels.bwd_launch import backward_spec_of, head_splits, walk_order
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import make_problem
@@ -132,3 +133,22 @@ def test_walk_order(seqlen_q, seqlen_k, heads_kv, causal, window):
             assert (ranked[:-1] >= ranked[1:]).all() and ranked[0] > ranked[-1]
             ties = ranked[:-1] == ranked[1:]
             assert (part[:-1][ties] < part[1:][ties]).all()
+
+
+@pytest.mark.parametrize(
+    ("heads_kv", "deterministic", "bias_heads", "split"),
+    [
+        (1, False, None, True),  # MQA, 32 CTAs: split
+        (16, False, None, False),  # MHA: nothing to split
+        (1, True, 16, True),  # deterministic, a bias per query head: direct dbias
+        (1, True, 1, False),  # deterministic, a bias shared by the group: its sums stay whole
+    ],
+)
+def test_mma_sync_spec_splits_small_grids(heads_kv, deterministic, bias_heads, split):
+    q, k, v, _, _ = random_inputs(1, 4096, 4096, 16, heads_kv, 128, torch.bfloat16, "meta")
+    bias = None if bias_heads is None else torch.empty(1, bias_heads, 4096, 4096, device="meta")
+    problem, mask4, bias4 = make_problem(
+        q, k, v, None, bias, None, False, 0.0, (-1, -1), deterministic
+    )
+    spec = backward_spec_of(problem, mask4, bias4, bias is not None, "sm_80")
+    assert isinstance(spec, BwdSpec) and spec.split_heads == split

@@ -474,3 +474,26 @@ def test_hopper_operand_kinds_trace(mask_kind: str, bias_kind: str) -> None:
     bwd = Sm90BwdSpec.build("sm_90a", "bf16", 128, mask, bias, dbias, False, False, True)
     assert bwd.smem_bytes() <= smem_capacity("sm_90a")
     assert "wgmma.mma_async.sync.aligned" in fwd_ptx("sm_90a", bwd)
+
+
+@pytest.mark.parametrize(
+    ("dbias", "det"), [(DBIAS_ROWS_ATOMIC, False), (DBIAS_DIRECT, True), (None, True)]
+)
+@pytest.mark.parametrize("target", SUPPORTED_ARCHS)
+def test_bwd_split_heads_compiles(target, dbias, det) -> None:
+    """The mma.sync backward with split heads stores fp32 dK/dV partial sums from registers,
+    two adjacent columns a store (no smem staging, whose copies store 16 bytes)."""
+    bias = ROW_BIAS_FP32 if dbias is DBIAS_ROWS_ATOMIC else FULL_BIAS
+    spec = BwdSpec.build(target, "bf16", 128, FULL_MASK, bias, dbias, True, False, det,
+                         split_heads=True)  # fmt: skip
+    assert spec.split_heads
+    ptx = check_bwd_ptx(target, spec)
+    assert "st.global.v2.b32" in ptx and "st.global.v4.b32" not in ptx
+
+
+def test_bwd_split_heads_refuses_shared_deterministic_sums() -> None:
+    assert not bwd_spec_for("sm_80", 64, dbias=DBIAS_SUM_RMW, deterministic=True).can_split_heads
+    with pytest.raises(ValueError, match="split_heads"):
+        BwdSpec.build("sm_80", "bf16", 64, FULL_MASK, FULL_BIAS, DBIAS_SUM_RMW, False, False,
+                      True, split_heads=True)  # fmt: skip
+    assert bwd_spec_for("sm_80", 64, dbias=DBIAS_DIRECT, deterministic=True).can_split_heads

@@ -22,6 +22,7 @@ dQ in deterministic mode is added in key-block order (turns.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -95,6 +96,10 @@ class BwdSpec:
 
     fold_batch / fold_heads: deterministic dbias of a bias broadcast over the batch / all kv
     heads: one CTA walks every batch / kv head of its key block, so it owns its dbias rows.
+    split_heads: a group's query heads are split over `head_splits` CTAs (a runtime value), each
+    storing its fp32 dK/dV partial sums into a head slot of its own (dK, dV: [B, Sk, Hkv x
+    head_splits, D] fp32), which the launch sums over the slots in a fixed order: no atomics,
+    deterministic either way. Not with folded dims.
     """
 
     dtype: str
@@ -110,6 +115,7 @@ class BwdSpec:
     fold_batch: bool
     fold_heads: bool
     vector_atomics: bool  # red.global.add.v2.f32 (sm_90)
+    split_heads: bool = False
 
     @staticmethod
     @functools.cache  # called on every launch; the tile search is pure
@@ -125,13 +131,14 @@ class BwdSpec:
         deterministic: bool,
         fold_batch: bool = False,
         fold_heads: bool = False,
+        split_heads: bool = False,
     ) -> BwdSpec:
         """The variant for these choices, tiled by the per-arch table (ValueError if nothing
         fits the architecture's shared memory)."""
         dp = padded_head_dim(head_dim)
         smem = [None if op is None else op.smem() for op in (mask, bias)]
         tile = bwd_tile(arch, dp, dtype_bytes(dtype), *smem)
-        return BwdSpec(
+        spec = BwdSpec(
             dtype,
             dp,
             head_dim == dp,
@@ -146,6 +153,20 @@ class BwdSpec:
             fold_heads,
             arch.startswith("sm_90"),
         )
+        if split_heads:
+            if not spec.can_split_heads:
+                raise ValueError("split_heads: not with folded dims or deterministic dbias sums")
+            spec = dataclasses.replace(spec, split_heads=True)
+        return spec
+
+    @property
+    def can_split_heads(self) -> bool:
+        """Whether a group's heads may be split over CTAs: not with folded dims, nor with
+        deterministic dbias sums, whose rows the group's heads share (a bias per query head
+        has none to share: its dbias is direct)."""
+        folded = self.fold_batch or self.fold_heads
+        shared_sums = self.deterministic and self.dbias is not None and not self.dbias.direct
+        return not (folded or shared_sums)
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:
         """The kernel's shared-memory buffers in allocation order (config.bwd_smem_buffers)."""
@@ -158,7 +179,8 @@ class BwdSpec:
 
     def example_args(self) -> list:
         """FlashBwd's arguments for an offline compile (see FwdSpec.example_args)."""
-        q, k, v, dout, dk, dv = (fake_rows(self.dtype) for _ in range(6))
+        q, k, v, dout = (fake_rows(self.dtype) for _ in range(4))
+        dk, dv = (fake_rows("fp32" if self.split_heads else self.dtype) for _ in range(2))
         stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
         dpsum = fake_tensor("fp32", ("d", "d", "1"), 4)
         dq_acc = fake_tensor("fp32", ("d", "d", "d", "1"), 16, stride_div=4)
@@ -168,7 +190,7 @@ class BwdSpec:
             dbias = fake_tensor(self.dbias.dtype, self.dbias.strides, dtype_bytes(self.dbias.dtype))
         if self.deterministic:
             sem = fake_tensor("i32", ("d", "d", "1"), 4)
-        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask, bias, dbias, sem,
+        return [q, k, v, dout, stats, dpsum, dq_acc, dk, dv, 1, mask, bias, dbias, sem,
                 *BwdScalars(), env_stream()]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
@@ -219,8 +241,9 @@ class FlashBwd:
         mStats: cute.Tensor,  # [B, H, 2, Sq] fp32: the forward's row max and log2 row sum
         mDpsum: cute.Tensor,  # [B, H, Sq] fp32
         mdQacc: cute.Tensor,  # [B, Sq, H, D] fp32, zeroed
-        mdK: cute.Tensor,  # [B, Sk, Hkv, D]
-        mdV: cute.Tensor,  # [B, Sk, Hkv, D]
+        mdK: cute.Tensor,  # [B, Sk, Hkv, D]; split_heads: [B, Sk, Hkv x head_splits, D] fp32
+        mdV: cute.Tensor,  # as mdK
+        head_splits: cutlass.Int32,  # CTAs per group of query heads (1 without split_heads)
         mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         mdBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km] (stride 0 on size-1 dims)
@@ -255,7 +278,7 @@ class FlashBwd:
         heads_kv, batch = mK.shape[2], mK.shape[0]
         grid = (
             cute.ceil_div(mK.shape[1], tn),
-            1 if cutlass.const_expr(spec.fold_heads) else heads_kv,
+            1 if cutlass.const_expr(spec.fold_heads) else heads_kv * head_splits,
             1 if cutlass.const_expr(spec.fold_batch) else batch,
         )
         self.kernel(
@@ -268,6 +291,7 @@ class FlashBwd:
             mdQacc,
             mdK,
             mdV,
+            head_splits,
             mMask,
             mBias,
             mdBias,
@@ -305,6 +329,7 @@ class FlashBwd:
         mdQacc: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
+        head_splits: cutlass.Int32,
         mMask: cute.Tensor | None,
         mBias: cute.Tensor | None,
         mdBias: cute.Tensor | None,
@@ -333,6 +358,9 @@ class FlashBwd:
         tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
         tidx, _, _ = cute.arch.thread_idx()
         n_block, hk_block, b_block = cute.arch.block_idx()
+        # with split heads, grid y walks (kv head, split) pairs
+        split = hk_block % head_splits
+        hk_block = hk_block // head_splits
         seqlen_q, seqlen_k = mQ.shape[1], mK.shape[1]
         limits = masking.BlockLimits(
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
@@ -462,6 +490,8 @@ class FlashBwd:
             views=views,
             state=cute.make_rmem_tensor(ScanState.SLOTS, cutlass.Int32),
             group=group,
+            head_splits=head_splits,
+            split=split,
             mask_head_div=mask_head_div,
             bias_head_div=bias_head_div,
             dbias=None,
@@ -519,7 +549,9 @@ class FlashBwd:
             )
         cute.arch.cp_async_commit_group()
 
-        for hi in cutlass.range(walk.group, unroll=1):
+        heads = walk.group // walk.head_splits  # the query heads of this CTA
+        for i in cutlass.range(heads, unroll=1):
+            hi = walk.split * heads + i
             h = hk * walk.group + hi
             ld = self.head_loads(b, h, gmem, shared, walk)
             scan = None
@@ -538,7 +570,7 @@ class FlashBwd:
                     visible = masking.range_bits(m, walk.m_min, walk.m_max)
                     full = cutlass.Int32(0)
                     if cutlass.const_expr(spec.mask is not None):
-                        seen, every = self.window_bits(walk, shared, scan, hi, m)
+                        seen, every = self.window_bits(walk, shared, scan, i, m)
                         visible = visible & seen
                         full = every & visible
                     state[ScanState.VISIBLE] = visible
@@ -585,10 +617,21 @@ class FlashBwd:
                 if cutlass.const_expr(spec.dbias.rows_summed):
                     walk.dbias.flush(b, head.h_bias)
 
-        # ---- dK, dV (rmem -> smem over K/V -> gmem) ----
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # every GEMM is done reading sK / sV
         acc_dK.store(acc_dK.load() * walk.softmax_scale)
+        if cutlass.const_expr(spec.split_heads):
+            self.store_partials(b, hk, gmem, mm, walk, acc_dK, acc_dV, cKV)
+        else:
+            self.store_dkv(b, hk, gmem, shared, mm, walk, acc_dK, acc_dV, cKV)
+
+    @cute.jit
+    def store_dkv(self, b, hk, gmem, shared, mm, walk, acc_dK, acc_dV, cKV):
+        """dK and dV of the key block: rmem -> smem over K/V -> gmem, in the input dtype."""
+        tn, dp = self.tile_n, self.head_dim_padded
+        tidx, n_block = walk.tidx, walk.n_block
+        sK, sV = shared.sK, shared.sV
+        seqlen_k, head_dim = walk.limits.seqlen_k, gmem.head_dim
         for acc, sX in ((acc_dK, sK), (acc_dV, sV)):
             tiles.acc_to_smem(acc, self.dtype, mm.r2s, mm.mma_dkv, tidx, sX)
         cute.arch.sync_threads()  # dK / dV complete in smem before the row-wise reads
@@ -599,16 +642,40 @@ class FlashBwd:
         cute.arch.sync_threads()  # sK / sV are read before the next fold reloads them
 
     @cute.jit
-    def window_bits(self, walk, shared, scan, hi, m_first):
+    def store_partials(self, b, hk, gmem, mm, walk, acc_dK, acc_dV, cKV):
+        """split_heads: this CTA's fp32 dK/dV sums straight from registers into its own head
+        slot (hk x head_splits + split), pairs of adjacent columns per store; every element
+        of the key block's rows is written, zero where no query head of the CTA reached it."""
+        tn, dp = self.tile_n, self.head_dim_padded
+        seqlen_k, head_dim = walk.limits.seqlen_k, gmem.head_dim
+        thr_dkv = mm.mma_dkv.get_slice(walk.tidx)
+        c_mn = acc_mn_view(thr_dkv.partition_C(cKV))
+        slot = hk * walk.head_splits + walk.split
+        for acc, mX in ((acc_dK, gmem.mdK), (acc_dV, gmem.mdV)):
+            gX = cute.local_tile(mX[b, None, slot, None], (tn, dp), (walk.n_block, 0))
+            g_mn = acc_mn_view(thr_dkv.partition_C(gX))
+            a_mn = acc_mn_view(acc)
+            for r in cutlass.range_constexpr(cute.size(a_mn.shape[0])):
+                if c_mn[r, 0][0] < seqlen_k:
+                    for c in cutlass.range_constexpr(0, cute.size(a_mn.shape[1]), 2):
+                        inside = cutlass.Boolean(True)
+                        if cutlass.const_expr(not self.spec.even_d):
+                            inside = c_mn[0, c][1] < head_dim
+                        if inside:
+                            g_mn[r, c] = a_mn[r, c]
+                            g_mn[r, c + 1] = a_mn[r, c + 1]
+
+    @cute.jit
+    def window_bits(self, walk, shared, scan, i, m_first):
         """(visible, all-True) bits of the scan window starting at query block m_first: scanned,
-        or, for the group's later heads when the mask is shared by the group (Hm in {1, Hkv}),
-        read back from shared memory."""
+        or, for the CTA's later query heads (i > 0) when the mask is shared by the group (Hm in
+        {1, Hkv}), read back from shared memory."""
         w = (m_first - walk.m_lo) // SCAN_BLOCKS
         group_shares_mask = walk.mask_head_div % walk.group == 0
         seen = cutlass.Int32(0)
         every = cutlass.Int32(0)
         s_bits = shared.s_bits
-        if hi > 0 and group_shares_mask and w < CACHED_WINDOWS:
+        if i > 0 and group_shares_mask and w < CACHED_WINDOWS:
             seen = s_bits[0, w]
             every = s_bits[1, w]
         else:

@@ -99,7 +99,7 @@ def query_splits(problem: Problem, masked: bool, arch: str) -> int:
 def head_splits(
     problem: Problem, tile_n: int, sms: int, query_split: int = 1, masked: bool = False
 ) -> int:
-    """CTAs per group of query heads in the Hopper backward: 1 when (key blocks x kv heads x
+    """CTAs per group of query heads in the backward (both kernels): 1 when (key blocks x kv heads x
     batch x query splits) CTAs fill `waves` waves of `sms` SMs, else the smallest divisor of
     the group that does (the group size if none does). Two waves, or four for a masked,
     non-deterministic call: a sparse mask leaves the walks of different key blocks uneven, and
@@ -194,9 +194,16 @@ def bwd_spec(
                     deterministic=problem.deterministic,
                 )  # fmt: skip
             return spec
-    return BwdSpec.build(
+    spec = BwdSpec.build(
         arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic, *fold
     )
+    masked = mask is not None
+    if spec.can_split_heads and head_splits(problem, spec.tile.tile_n, sms, 1, masked) > 1:
+        spec = BwdSpec.build(
+            arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic,
+            split_heads=True,
+        )  # fmt: skip
+    return spec
 
 
 def _dbias_buffers(
@@ -355,6 +362,8 @@ def _plan(
     pre_kernel = compiled(preprocess_spec(problem.dtype, problem.head_dim), arch)
     scalars = kernel_scalars(BwdScalars, problem, mask, bias)
     bits_tile, splits, rotate, n_blocks = None, 1, 0, 0
+    if isinstance(spec, BwdSpec) and spec.split_heads:
+        splits = head_splits(problem, spec.tile.tile_n, sms, 1, mask is not None)
     if isinstance(spec, Sm90BwdSpec):
         tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
         bits_tile = (tile_m, tile_n) if mask is not None else None
@@ -519,11 +528,23 @@ def flash_bwd(
         )  # fmt: skip
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     else:
-        dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
-        plan.kernel(
-            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, mask_k, bias_k, dbias_view, sem,
-            *plan.scalars,
+        # split heads: fp32 partial sums in a head slot per (kv head, split), every element
+        # written by the kernel, summed here in slot order (deterministic)
+        b, sk, hkv, d = k.shape
+        slots = (b, sk, hkv * plan.splits, d)
+        dk, dv = (
+            torch.empty(slots if spec.split_heads else t.shape, device=t.device,
+                        dtype=torch.float32 if spec.split_heads else t.dtype)
+            for t in (k, v)
         )  # fmt: skip
+        plan.kernel(
+            q, k, v, dout, stats, dpsum, dq_acc, dk, dv, plan.splits, mask_k, bias_k,
+            dbias_view, sem, *plan.scalars,
+        )  # fmt: skip
+        if spec.split_heads:
+            dk, dv = (
+                x.view(b, sk, hkv, plan.splits, d).sum(3).to(t.dtype) for x, t in ((dk, k), (dv, v))
+            )
     if kind == "sum":
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)
     return dq_acc.to(q.dtype), dk, dv, dbias
