@@ -8,7 +8,12 @@ import torch
 
 from dmattn_cute import precompile
 from dmattn_cute.kernels.bwd import BwdSpec
-from dmattn_cute.kernels.bwd_launch import backward_spec_of, head_splits, walk_order
+from dmattn_cute.kernels.bwd_launch import (
+    backward_spec_of,
+    head_splits,
+    split_waves,
+    walk_order,
+)
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import make_problem
 from tests.utils import random_inputs
@@ -44,9 +49,10 @@ def test_head_splits(batch, seqlen, heads, heads_kv, splits):
 )
 def test_masked_head_splits_fill_four_waves(batch, heads, heads_kv, splits):
     problem, _, _ = problem_of(batch, 4096, heads, heads_kv)
-    assert head_splits(problem, 128, 132, masked=True) == splits
+    assert head_splits(problem, 128, 132, waves=split_waves(problem, True, True)) == splits
     deterministic = dataclasses.replace(problem, deterministic=True)
-    assert head_splits(deterministic, 128, 132, masked=True) == head_splits(deterministic, 128, 132)
+    assert split_waves(deterministic, True, True) == split_waves(problem, False, True) == 2
+    assert split_waves(problem, True, False) == 1  # the mma.sync kernel
 
 
 @pytest.mark.parametrize(("heads_kv", "split"), [(16, False), (1, True)])
@@ -139,6 +145,7 @@ def test_walk_order(seqlen_q, seqlen_k, heads_kv, causal, window):
     ("heads_kv", "deterministic", "bias_heads", "split"),
     [
         (1, False, None, True),  # MQA, 32 CTAs: split
+        (8, False, None, False),  # 256 CTAs fill a wave of 108 SMs
         (16, False, None, False),  # MHA: nothing to split
         (1, True, 16, True),  # deterministic, a bias per query head: direct dbias
         (1, True, 1, False),  # deterministic, a bias shared by the group: its sums stay whole

@@ -97,21 +97,29 @@ def query_splits(problem: Problem, masked: bool, arch: str) -> int:
 
 
 def head_splits(
-    problem: Problem, tile_n: int, sms: int, query_split: int = 1, masked: bool = False
+    problem: Problem, tile_n: int, sms: int, query_split: int = 1, waves: int = 2
 ) -> int:
-    """CTAs per group of query heads in the backward (both kernels): 1 when (key blocks x kv heads x
-    batch x query splits) CTAs fill `waves` waves of `sms` SMs, else the smallest divisor of
-    the group that does (the group size if none does). Two waves, or four for a masked,
-    non-deterministic call: a sparse mask leaves the walks of different key blocks uneven, and
-    shorter walks even out the last wave (H100, block density 0.25: backward -3 to -5% with
-    four where two split the heads; a dense mask loses 1%)."""
-    waves = 4 if masked and not problem.deterministic else 2
+    """CTAs per group of query heads in the backward: 1 when (key blocks x kv heads x batch x
+    query splits) CTAs fill `waves` waves of `sms` SMs, else the smallest divisor of the group
+    that does (the group size if none does)."""
     group = problem.num_heads // problem.num_heads_kv
     ctas = problem.batch * problem.num_heads_kv * -(-problem.seqlen_k // tile_n) * query_split
     for splits in range(1, group + 1):
         if group % splits == 0 and ctas * splits >= waves * sms:
             return splits
     return group
+
+
+def split_waves(problem: Problem, masked: bool, hopper: bool) -> int:
+    """The waves of CTAs head_splits fills. The Hopper kernel: two, or four for a masked,
+    non-deterministic call (a sparse mask leaves the walks of different key blocks uneven, and
+    shorter walks even out the last wave: H100, block density 0.25, backward -3 to -5% with
+    four where two split the heads; a dense mask loses 2%). The mma.sync kernel: one (H100,
+    B1 H32 S4096 D128 deterministic: 8 kv heads 3.33 ms unsplit against 3.55 ms in two
+    halves; 1 kv head 12.4 ms unsplit, 3.5 ms in 16)."""
+    if not hopper:
+        return 1
+    return 4 if masked and not problem.deterministic else 2
 
 
 def _walk_order(problem: Problem, tile_m: int, tile_n: int, waves: int, device) -> torch.Tensor:
@@ -187,8 +195,8 @@ def bwd_spec(
             spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
         if spec is not None:
             splits = query_splits(problem, mask is not None, arch)
-            masked = mask is not None
-            if splits > 1 or head_splits(problem, spec.tile.tile_n, sms, splits, masked) > 1:
+            waves = split_waves(problem, mask is not None, True)
+            if splits > 1 or head_splits(problem, spec.tile.tile_n, sms, splits, waves) > 1:
                 spec = Sm90BwdSpec.build(
                     arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True,
                     deterministic=problem.deterministic,
@@ -197,8 +205,8 @@ def bwd_spec(
     spec = BwdSpec.build(
         arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic, *fold
     )
-    masked = mask is not None
-    if spec.can_split_heads and head_splits(problem, spec.tile.tile_n, sms, 1, masked) > 1:
+    waves = split_waves(problem, mask is not None, False)
+    if spec.can_split_heads and head_splits(problem, spec.tile.tile_n, sms, 1, waves) > 1:
         spec = BwdSpec.build(
             arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic,
             split_heads=True,
@@ -363,12 +371,14 @@ def _plan(
     scalars = kernel_scalars(BwdScalars, problem, mask, bias)
     bits_tile, splits, rotate, n_blocks = None, 1, 0, 0
     if isinstance(spec, BwdSpec) and spec.split_heads:
-        splits = head_splits(problem, spec.tile.tile_n, sms, 1, mask is not None)
+        splits = head_splits(problem, spec.tile.tile_n, sms, 1, split_waves(problem, False, False))
     if isinstance(spec, Sm90BwdSpec):
         tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
         bits_tile = (tile_m, tile_n) if mask is not None else None
         splits = (
-            head_splits(problem, tile_n, sms, split, mask is not None) if spec.split_heads else 1
+            head_splits(problem, tile_n, sms, split, split_waves(problem, mask is not None, True))
+            if spec.split_heads
+            else 1
         )
         # deterministic walks start at their own key block when every key block of a
         # (batch, kv head) fits on the GPU at once and there are as many query blocks
