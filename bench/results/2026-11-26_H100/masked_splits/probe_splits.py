@@ -35,5 +35,7 @@ fwdbwd = do_bench(lambda: torch.autograd.grad(forward(), x.leaves, dout), warmup
 out = forward()
 bwd = do_bench(lambda: torch.autograd.grad(out, x.leaves, dout, retain_graph=True),
                warmup=25, rep=200)  # fmt: skip
-print(f"density {density} splits {splits or 'auto'} rows {rows}: fwd+bwd {fwdbwd:.3f} ms, "
-      f"bwd {bwd:.3f} ms")
+print(
+    f"density {density} splits {splits or 'auto'} rows {rows}: fwd+bwd {fwdbwd:.3f} ms, "
+    f"bwd {bwd:.3f} ms"
+)
