@@ -706,11 +706,12 @@ class FlashBwdSm90:
                     )  # fmt: skip
             stats = None
             if cutlass.const_expr(self.transposed):
+                # log2 row sums, dpsums and, with a bias, row maxima (as sStats holds them)
                 stats = (
                     mStats[walk.b, h, 1, None],
                     mDpsum[walk.b, h, None],
                     mStats[walk.b, h, 0, None],
-                )
+                )[: cute.size(sStats.shape[0])]
             for seg in cutlass.range_constexpr(walk.segments):
                 lo, hi = walk.segment(seg)
                 if cutlass.const_expr(walk.mBits is None):
