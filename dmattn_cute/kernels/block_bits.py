@@ -183,17 +183,7 @@ class BlockBits:
             seen = cutlass.Boolean(False)
             every = cutlass.Boolean(True)  # threads holding no share do not veto
             if has_tile:
-                tiles.copy_tile(
-                    scan.copy,
-                    scan.tXgX[None, None, None, n_block],
-                    scan.frag,
-                    scan.tXcX[None, None, None, n_block],
-                    scan.row_end,
-                    scan.col_end,
-                    True,
-                    True,
-                )
-                seen, every = masking.tile_any_all(scan.frag, scan.words)
+                seen, every = masking.scan_tile(scan, n_block)
             seen_all = seen_all | seen
             every_all = every_all & every
             self.ballots(s_ballots, r, seen, every, mBits, b, h, m_block, n_block,

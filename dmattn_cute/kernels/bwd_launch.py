@@ -122,6 +122,14 @@ def split_waves(problem: Problem, masked: bool, hopper: bool) -> int:
     return 4 if masked and not problem.deterministic else 2
 
 
+def spec_head_splits(
+    problem: Problem, spec: BwdSpec | Sm90BwdSpec, sms: int, masked: bool, query_split: int = 1
+) -> int:
+    """head_splits at a variant's key tile, filling the waves of its kernel family."""
+    waves = split_waves(problem, masked, isinstance(spec, Sm90BwdSpec))
+    return head_splits(problem, spec.tile.tile_n, sms, query_split, waves)
+
+
 def _walk_order(problem: Problem, tile_m: int, tile_n: int, waves: int, device) -> torch.Tensor:
     # the kernel's window sides (causal: right 0), then masking.BlockLimits.query_block_range
     # of every key block
@@ -195,8 +203,7 @@ def bwd_spec(
             spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
         if spec is not None:
             splits = query_splits(problem, mask is not None, arch)
-            waves = split_waves(problem, mask is not None, True)
-            if splits > 1 or head_splits(problem, spec.tile.tile_n, sms, splits, waves) > 1:
+            if splits > 1 or spec_head_splits(problem, spec, sms, mask is not None, splits) > 1:
                 spec = Sm90BwdSpec.build(
                     arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True,
                     deterministic=problem.deterministic,
@@ -205,8 +212,7 @@ def bwd_spec(
     spec = BwdSpec.build(
         arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic, *fold
     )
-    waves = split_waves(problem, mask is not None, False)
-    if spec.can_split_heads and head_splits(problem, spec.tile.tile_n, sms, 1, waves) > 1:
+    if spec.can_split_heads and spec_head_splits(problem, spec, sms, mask is not None) > 1:
         spec = BwdSpec.build(
             arch, dtype, problem.head_dim, *operands, dbias, *flags, problem.deterministic,
             split_heads=True,
@@ -369,17 +375,14 @@ def _plan(
     spec = bwd_spec(problem, mask, bias, broadcast_view(dbias_buf), kind, fold, arch, sms)
     pre_kernel = compiled(preprocess_spec(problem.dtype, problem.head_dim), arch)
     scalars = kernel_scalars(BwdScalars, problem, mask, bias)
-    bits_tile, splits, rotate, n_blocks = None, 1, 0, 0
-    if isinstance(spec, BwdSpec) and spec.split_heads:
-        splits = head_splits(problem, spec.tile.tile_n, sms, 1, split_waves(problem, False, False))
+    bits_tile, rotate, n_blocks = None, 0, 0
+    splits = 1
+    if spec.split_heads:  # (query splits: the Hopper kernel's only)
+        query_split = split if isinstance(spec, Sm90BwdSpec) else 1
+        splits = spec_head_splits(problem, spec, sms, mask is not None, query_split)
     if isinstance(spec, Sm90BwdSpec):
         tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
         bits_tile = (tile_m, tile_n) if mask is not None else None
-        splits = (
-            head_splits(problem, tile_n, sms, split, split_waves(problem, mask is not None, True))
-            if spec.split_heads
-            else 1
-        )
         # deterministic walks start at their own key block when every key block of a
         # (batch, kv head) fits on the GPU at once and there are as many query blocks
         m_blocks = -(-problem.seqlen_q // tile_m)
@@ -538,22 +541,19 @@ def flash_bwd(
         )  # fmt: skip
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     else:
-        # split heads: fp32 partial sums in a head slot per (kv head, split), every element
-        # written by the kernel, summed here in slot order (deterministic)
-        b, sk, hkv, d = k.shape
-        slots = (b, sk, hkv * plan.splits, d)
-        dk, dv = (
-            torch.empty(slots if spec.split_heads else t.shape, device=t.device,
-                        dtype=torch.float32 if spec.split_heads else t.dtype)
-            for t in (k, v)
-        )  # fmt: skip
+        if spec.split_heads:  # fp32 partial sums, a head slot per (kv head, split), each whole
+            slots = (*k.shape[:2], k.shape[2] * plan.splits, k.shape[3])
+            dk, dv = (torch.empty(slots, dtype=torch.float32, device=q.device) for _ in range(2))
+        else:
+            dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
         plan.kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, plan.splits, mask_k, bias_k,
             dbias_view, sem, *plan.scalars,
         )  # fmt: skip
-        if spec.split_heads:
+        if spec.split_heads:  # the slots summed in order: deterministic
             dk, dv = (
-                x.view(b, sk, hkv, plan.splits, d).sum(3).to(t.dtype) for x, t in ((dk, k), (dv, v))
+                x.unflatten(2, (k.shape[2], plan.splits)).sum(3).to(t.dtype)
+                for x, t in ((dk, k), (dv, v))
             )
     if kind == "sum":
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)

@@ -165,6 +165,23 @@ def tile_any_all(frag: cute.Tensor, words: cutlass.Constexpr):
 
 
 @cute.jit
+def scan_tile(scan, tile):
+    """(any True, all True) of this thread's share of mask tile `tile` of a scan partition
+    (operands.mask_scan): gmem -> rmem, bytes past Sq/Sk zero-filled, then tile_any_all."""
+    tiles.copy_tile(
+        scan.copy,
+        scan.tXgX[None, None, None, tile],
+        scan.frag,
+        scan.tXcX[None, None, None, tile],
+        scan.row_end,
+        scan.col_end,
+        True,
+        True,
+    )
+    return tile_any_all(scan.frag, scan.words)
+
+
+@cute.jit
 def scan_mask_blocks(
     scan,
     n_first: cutlass.Int32,
@@ -189,17 +206,7 @@ def scan_mask_blocks(
         # A query-broadcast mask (backward) has one tile for every query block.
         tile = 0 if cutlass.const_expr(scan.same_tile) else n_block
         if n_block < n_end and tidx < scan.used:
-            tiles.copy_tile(
-                scan.copy,
-                scan.tXgX[None, None, None, tile],
-                scan.frag,
-                scan.tXcX[None, None, None, tile],
-                scan.row_end,
-                scan.col_end,
-                True,
-                True,
-            )
-            seen, every = tile_any_all(scan.frag, scan.words)
+            seen, every = scan_tile(scan, tile)
             if seen:
                 visible = visible | (cutlass.Int32(1) << j)
             if not every:
