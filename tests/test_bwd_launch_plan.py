@@ -17,14 +17,16 @@ from dmattn_cute.problem import make_problem
 B, SQ, SK, H, HKV, D = 2, 300, 200, 4, 2, 64
 
 
-def backward(mask, bias, bias_grad=True, deterministic=False, heads_kv=HKV, batch=B, causal=False):
-    q = torch.randn(batch, SQ, H, D, dtype=torch.bfloat16)
+def backward(
+    mask, bias, bias_grad=True, deterministic=False, heads_kv=HKV, batch=B, causal=False, heads=H
+):
+    q = torch.randn(batch, SQ, heads, D, dtype=torch.bfloat16)
     k, v = (torch.randn(batch, SK, heads_kv, D, dtype=torch.bfloat16) for _ in range(2))
     problem, mask4, bias4 = make_problem(
         q, k, v, mask, bias, None, causal, 0.0, (-1, -1), deterministic
     )
     out, dout = torch.randn_like(q), torch.randn_like(q)
-    stats = torch.zeros(batch, H, 2, SQ)
+    stats = torch.zeros(batch, heads, 2, SQ)
     return bwd_launch.flash_bwd(problem, dout, q, k, v, mask4, bias4, out, stats, bias_grad)
 
 
@@ -129,3 +131,35 @@ def test_causal_walks_launch_longest_first(launches) -> None:
         backward(None, None, causal=causal, deterministic=deterministic)
         spec, args = launches["calls"][-1]
         assert not spec.ordered and args[15] is None
+
+
+def test_mma_sync_split_sums_its_head_slots(launches, monkeypatch) -> None:
+    """The mma.sync backward with split heads (few CTAs) gets fp32 dK/dV buffers of a head
+    slot per (kv head, split), slot hk * splits + s, and its split count; the call returns
+    each kv head's slots summed, in the input dtype."""
+    monkeypatch.setenv(KERNELS_ENV, "mma_sync")
+    record = bwd_launch.compiled
+
+    def compiled(spec, arch):
+        call = record(spec, arch)
+
+        def fill(*args):  # a kernel that writes slot i with i + 1
+            call(*args)
+            if isinstance(spec, BwdSpec) and spec.split_heads:
+                for slots in args[7:9]:
+                    slots.copy_(torch.arange(1, slots.shape[2] + 1).view(1, 1, -1, 1))
+
+        return fill
+
+    monkeypatch.setattr(bwd_launch, "compiled", compiled)
+    _, dk, dv, _ = backward(None, None, batch=1, heads=4 * HKV)
+    spec, args = launches["calls"][-1]
+    assert isinstance(spec, BwdSpec) and spec.split_heads
+    splits = args[9]
+    assert splits == 4  # the whole group: 4 CTAs are far from a wave
+    assert args[7].shape == (1, SK, HKV * splits, D) and args[7].dtype == torch.float32
+    for grad in (dk, dv):
+        assert grad.shape == (1, SK, HKV, D) and grad.dtype == torch.bfloat16
+        for hk in range(HKV):
+            total = sum(range(hk * splits + 1, (hk + 1) * splits + 1))
+            assert torch.equal(grad[:, :, hk], torch.full_like(grad[:, :, hk], total))
