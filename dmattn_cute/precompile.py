@@ -220,10 +220,8 @@ def kernel_specs(
     q, k, v, mask, bias = pattern.inputs(device)
     kernels = planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
     for kind, spec in list(kernels):
-        splittable = isinstance(spec, Sm90BwdSpec) or (
-            isinstance(spec, BwdSpec) and spec.can_split_heads
-        )
-        if splittable and q.shape[2] > k.shape[2]:
+        backward = isinstance(spec, (BwdSpec, Sm90BwdSpec))
+        if backward and spec.can_split_heads and q.shape[2] > k.shape[2]:
             # whether a group's heads are split over CTAs depends on the sizes of the call
             kernels.append((kind, dataclasses.replace(spec, split_heads=not spec.split_heads)))
     return kernels

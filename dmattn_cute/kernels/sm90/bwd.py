@@ -130,6 +130,10 @@ class Sm90BwdSpec:
     repeatable; dbias is then only stored (each element has one contribution).
     """
 
+    # Any variant may split a group's heads (its dbias elements have one contribution each, as
+    # BwdSpec.can_split_heads asks of the mma.sync kernel).
+    can_split_heads = True
+
     @property
     def ordered(self) -> bool:
         """The CTAs take their (batch, kv head, key block) from a launch-sorted order, the
