@@ -207,8 +207,9 @@ def test_bias_without_grad_gets_none():
 )
 def test_deterministic_bitwise(bias_shape):
     """100 backward runs of a masked, biased GQA problem with a tail are bitwise equal (on
-    sm_90a the last two, whose dbias each CTA stores, run the Hopper kernel's key-block order;
-    the others sum dbias over broadcast dims in the mma.sync kernel)."""
+    sm_90a all but [1, 1, S, S] run the Hopper kernel's key-block order, the query-broadcast
+    biases through per-head dbias rows summed by the launch; that one sums dbias over its
+    broadcast dims in the mma.sync kernel)."""
     q, k, v, mask, bias = random_inputs(
         2, 1000, 1000, 8, 2, 64, torch.bfloat16, "cuda",
         mask_shape=(2, 2, 1000, 1000), bias_shape=bias_shape, mask_density=0.8,

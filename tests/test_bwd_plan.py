@@ -10,8 +10,10 @@ from dmattn_cute import precompile
 from dmattn_cute.kernels.bwd import BwdSpec
 from dmattn_cute.kernels.bwd_launch import (
     backward_spec_of,
+    dbias_plan,
     head_splits,
     split_waves,
+    sum_slots,
     walk_order,
 )
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
@@ -80,12 +82,12 @@ def test_precompile_covers_both_hopper_variants():
 @pytest.mark.parametrize(
     ("bias_shape", "hopper"),
     [(None, True), ((1, 16, 1, 4096), True), ((1, 16, 64, 4096), True),
-     ((1, 1, 1, 4096), False), ((1, 1, 64, 4096), False)],
+     ((1, 1, 1, 4096), True), ((1, 1, 64, 4096), False)],
 )  # fmt: skip
 def test_deterministic_plans(bias_shape, hopper):
     """Deterministic calls run the Hopper kernel (MQA with its heads split over CTAs, which
-    add dK/dV in split order), unless dbias sums a broadcast bias (the mma.sync kernel folds
-    those dims)."""
+    add dK/dV in split order), a query-broadcast bias's dbias in per-head slots too, unless
+    dbias sums a full-height broadcast bias (the mma.sync kernel folds those dims)."""
     q, k, v, _, bias = random_inputs(
         1, 64, 4096, 16, 1, 128, torch.bfloat16, "meta", bias_shape=bias_shape
     )
@@ -159,3 +161,21 @@ def test_mma_sync_spec_splits_small_grids(heads_kv, deterministic, bias_heads, s
     )
     spec = backward_spec_of(problem, mask4, bias4, bias is not None, "sm_80")
     assert isinstance(spec, BwdSpec) and spec.split_heads == split
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 1, 1, 96), (3, 1, 1, 96), (1, 2, 1, 96), (3, 2, 1, 96)])
+def test_dbias_slots_sum_to_the_bias_shape(bias_shape):
+    """A deterministic query-broadcast bias's gradient comes from fp32 rows per (batch, query
+    head), summed over the rows that share a bias element."""
+    problem, _, _ = problem_of(3, 96, 8, 2)
+    deterministic = dataclasses.replace(problem, deterministic=True)
+    assert dbias_plan(deterministic, torch.Size(bias_shape)) == ("slots", False, False)
+    assert dbias_plan(problem, torch.Size(bias_shape))[0] == "sum"
+    slots = torch.randn(3, 8, 1, 96, dtype=torch.float64)
+    got = sum_slots(slots, torch.Size(bias_shape))
+    bm, hm = bias_shape[:2]
+    want = torch.zeros(bias_shape, dtype=torch.float64)
+    for b in range(3):
+        for h in range(8):
+            want[b % bm, h // (8 // hm)] += slots[b, h]
+    assert got.shape == want.shape and torch.allclose(got, want)

@@ -497,3 +497,22 @@ def test_bwd_split_heads_refuses_shared_deterministic_sums() -> None:
         BwdSpec.build("sm_80", "bf16", 64, FULL_MASK, FULL_BIAS, DBIAS_SUM_RMW, False, False,
                       True, split_heads=True)  # fmt: skip
     assert bwd_spec_for("sm_80", 64, dbias=DBIAS_DIRECT, deterministic=True).can_split_heads
+
+
+# a deterministic query-broadcast bias's dbias: an fp32 row per (batch, query head)
+DBIAS_SLOTS = DbiasSpec("fp32", ("d", "d", "0", "1"), True, True, False, per_head=True)
+KV_ROW_BIAS = OperandSpec("bf16", ("d", "d", "0", "1"), 8)  # [B, Hkv, 1, Sk]
+
+
+@pytest.mark.parametrize("target", [*SUPPORTED_ARCHS, "hopper"])
+def test_bwd_dbias_slots_compile(target) -> None:
+    """Both backwards write a per-head slot dbias (indexed by the query head)."""
+    if target == "hopper":
+        spec = Sm90BwdSpec.build("sm_90a", "bf16", 128, FULL_MASK, KV_ROW_BIAS, DBIAS_SLOTS,
+                                 False, False, True)  # fmt: skip
+        assert "wgmma.mma_async.sync.aligned" in fwd_ptx("sm_90a", spec)
+    else:
+        spec = bwd_spec_for(target, 128, "bf16", FULL_MASK, KV_ROW_BIAS, DBIAS_SLOTS,
+                            deterministic=True)  # fmt: skip
+        check_bwd_ptx(target, spec)
+    assert DBIAS_SLOTS.head(5, 4) == 5 and DBIAS_ROWS_ATOMIC.head(5, 4) == 1

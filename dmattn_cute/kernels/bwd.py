@@ -81,6 +81,8 @@ class DbiasSpec:
     direct: every element gets exactly one contribution from one CTA (Bm = B, Hm = H), so it
         is stored in the bias dtype; otherwise it is added into an fp32 buffer.
     atomic: additions are red.add atomics (default) or load-add-store (deterministic).
+    per_head: the buffer has a row per query head ([B, H, 1, Sk], the launch's "slots" of a
+        deterministic broadcast bias), indexed by the query head, not the bias head.
     """
 
     dtype: str
@@ -88,6 +90,11 @@ class DbiasSpec:
     rows_summed: bool
     direct: bool
     atomic: bool
+    per_head: bool = False
+
+    def head(self, h, bias_head_div):
+        """The dbias head of query head h."""
+        return h if self.per_head else h // bias_head_div
 
 
 @dataclass(frozen=True)
@@ -560,7 +567,10 @@ class FlashBwd:
                     spec.mask, gmem.mMask, b, h // walk.mask_head_div, walk.limits, None,
                     n_block, shared.op_copies["mask"].used, self.num_threads, tidx,
                 )  # fmt: skip
-            head = SimpleNamespace(b=b, h=h, h_bias=h // walk.bias_head_div)
+            h_dbias = None
+            if cutlass.const_expr(spec.dbias is not None):
+                h_dbias = spec.dbias.head(h, walk.bias_head_div)
+            head = SimpleNamespace(b=b, h=h, h_bias=h // walk.bias_head_div, h_dbias=h_dbias)
             state[ScanState.STAGE] = 0
             state[ScanState.LOADED] = -1
             cute.arch.sync_threads()  # the previous head's cached scan bitmaps are visible
@@ -615,7 +625,7 @@ class FlashBwd:
                         walk.turns.skip(b, h, m, n_block)
             if cutlass.const_expr(spec.dbias is not None):
                 if cutlass.const_expr(spec.dbias.rows_summed):
-                    walk.dbias.flush(b, head.h_bias)
+                    walk.dbias.flush(b, head.h_dbias)
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # every GEMM is done reading sK / sV
@@ -772,7 +782,7 @@ class FlashBwd:
             dP_mn[r, None].store(acc_mn[r, None].load() * (dP_mn[r, None].load() - dpsum[r]))
 
         if cutlass.const_expr(spec.dbias is not None):
-            walk.dbias.step(acc_dP, coord, b, head.h_bias)
+            walk.dbias.step(acc_dP, coord, b, head.h_dbias)
         if cutlass.const_expr(spec.has_softcap):
             acc_dP.store(acc_dP.load() * dtanh.load())
 

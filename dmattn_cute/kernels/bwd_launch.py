@@ -49,8 +49,12 @@ def dbias_plan(
     kind: "zero" when Km = 1 (a per-row shift leaves the softmax unchanged, so its gradient is
     exactly 0), "direct" when each element has a single contributing CTA (Bm = B and Hm = H,
     and not Qm = 1 under a query split, whose CTAs share a column; stored in the bias dtype),
-    else "sum" (an fp32 buffer). Deterministic sums over a broadcast batch / all kv heads fold
-    those dims into one CTA (see BwdSpec).
+    "slots" for a deterministic query-broadcast one (Qm = 1) otherwise: each (batch, query
+    head) writes an fp32 row of its own [B, H, 1, Sk] buffer, as "direct" does, and the
+    launch sums the rows over the broadcast dims in a fixed order (a few bytes per key, where
+    folding the dims into one CTA collapses the grid), else "sum" (an fp32 buffer).
+    Deterministic sums of a full-height bias over a broadcast batch / all kv heads fold those
+    dims into one CTA (see BwdSpec).
     """
     bm, hm, qm, km = bias_shape
     if km == 1:
@@ -58,6 +62,8 @@ def dbias_plan(
     if bm == problem.batch and hm == problem.num_heads and not (query_split and qm == 1):
         return "direct", False, False
     det = problem.deterministic
+    if det and qm == 1:
+        return "slots", False, False
     return (
         "sum",
         det and bm == 1 and problem.batch > 1,
@@ -166,6 +172,16 @@ def walk_order(
     return remember(_ORDERS, key, lambda: _walk_order(problem, tile_m, tile_n, waves, device))
 
 
+def sum_slots(slots: torch.Tensor, bias_shape: torch.Size) -> torch.Tensor:
+    """The fp32 [B, H, 1, Sk] rows of a "slots" dbias summed into the bias's [Bm, Hm, 1, Sk]
+    (query heads h and h' share a bias head when h // (H / Hm) equals h' // (H / Hm)), by
+    torch's reductions: the same order every call."""
+    batch, heads, _, keys = slots.shape
+    bm, hm = bias_shape[:2]
+    rows = slots.view(batch, hm, heads // hm, 1, keys).sum(2)
+    return rows.sum(0, keepdim=True) if bm == 1 and batch > 1 else rows
+
+
 def bwd_spec(
     problem: Problem,
     mask: torch.Tensor | None,
@@ -185,8 +201,9 @@ def bwd_spec(
             dtype_name(dbias_buf.dtype),
             stride_kinds(dbias_buf),
             rows_summed=dbias_buf.shape[2] == 1,
-            direct=kind == "direct",
+            direct=kind in ("direct", "slots"),
             atomic=not problem.deterministic,
+            per_head=kind == "slots",
         )
     dtype = dtype_name(problem.dtype)
     operands = (operand_spec(mask, problem.seqlen_k), operand_spec(bias, problem.seqlen_k))
@@ -238,6 +255,9 @@ def _dbias_buffers(
         dbias = dbias_buf = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
     elif kind == "sum":
         dbias_buf = torch.zeros(bias.shape, dtype=torch.float32, device=device)
+    elif kind == "slots":
+        rows = (problem.batch, problem.num_heads, 1, bias.shape[3])
+        dbias_buf = torch.zeros(rows, dtype=torch.float32, device=device)
     else:
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
     return kind, tuple(fold), dbias, dbias_buf
@@ -555,7 +575,9 @@ def flash_bwd(
                 x.unflatten(2, (k.shape[2], plan.splits)).sum(3).to(t.dtype)
                 for x, t in ((dk, k), (dv, v))
             )
-    if kind == "sum":
+    if kind == "slots":
+        dbias_buf = sum_slots(dbias_buf, bias.shape)
+    if kind in ("sum", "slots"):
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)
     return dq_acc.to(q.dtype), dk, dv, dbias
 
@@ -568,4 +590,5 @@ __all__ = [
     "dbias_plan",
     "flash_bwd",
     "preprocess_spec",
+    "sum_slots",
 ]

@@ -957,7 +957,7 @@ class FlashBwdSm90:
                         m_block = walk.next_visible(h, m_block + 1, hi)
             if cutlass.const_expr(dbias is not None):
                 if cutlass.const_expr(spec.dbias.rows_summed):
-                    dbias.flush(b, h // walk.bias_head_div)
+                    dbias.flush(b, spec.dbias.head(h, walk.bias_head_div))
 
         # ---- epilogue: dK, dV (rmem -> smem over sK / sV -> gmem by TMA) ----
         acc_dK.store(acc_dK.load() * softmax_scale)
@@ -1029,7 +1029,7 @@ class FlashBwdSm90:
             # every MMA thread arrives after its own reads of the tiles (release)
             mm.pipe_tiles.consumer_release(state)
         if cutlass.const_expr(mm.dbias is not None):
-            mm.dbias.step(acc_dP, coord, walk.b, h // walk.bias_head_div)
+            mm.dbias.step(acc_dP, coord, walk.b, spec.dbias.head(h, walk.bias_head_div))
         if cutlass.const_expr(dtanh is not None):
             acc_dP.store(acc_dP.load() * dtanh.load())
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -1114,7 +1114,7 @@ class FlashBwdSm90:
             for r in cutlass.range_constexpr(cute.size(dP_mn.shape[0])):
                 dP_mn[r, c] = acc_mn[r, c] * (dP_mn[r, c] - dpsum[c])
         if cutlass.const_expr(mm.dbias is not None):
-            mm.dbias.step(acc_dP, coord, walk.b, h // walk.bias_head_div)
+            mm.dbias.step(acc_dP, coord, walk.b, spec.dbias.head(h, walk.bias_head_div))
         rP = cute.make_rmem_tensor(mm.s_shape, self.dtype)
         round_pairs(acc_S, rP)
         rdS = cute.make_rmem_tensor(mm.s_shape, self.dtype)
