@@ -113,8 +113,10 @@ _EPILOGUE = 5  # MMA warpgroups: every GEMM has read sK / sV; then dK / dV are i
 _DBIAS = 6  # MMA warpgroups: a head's dbias column sums are in (or read from) colsum
 _MMA_THREADS = 256
 _LOADER_THREADS = 64  # warps 2-3: mask and bias tiles, or the stats of transposed scores
-# Registers per thread (producer warpgroup, MMA warpgroups) after setmaxnreg.
-_REGISTERS = {False: (24, 240), True: (32, 232)}  # by: mask/bias tiles are loaded
+# Registers per thread (producer warpgroup, MMA warpgroups) after setmaxnreg. The mask/bias
+# loader warps fit in 24 too; at 232 the MMA warpgroups of the key-bias variants (D128) ran out
+# and ptxas serialized their wgmmas (warning C7512).
+_REGISTERS = (24, 240)
 
 
 @dataclass(frozen=True)
@@ -343,7 +345,7 @@ class FlashBwdSm90:
         self.bias_first = (
             spec.bias is not None and not spec.has_softcap and not self.bias_rows_shared
         )
-        self.registers = _REGISTERS[self.has_tiles]
+        self.registers = _REGISTERS
 
     @cute.jit
     def __call__(
