@@ -115,13 +115,25 @@ def launch_smem_bytes(kernel) -> int:
     return int(size)
 
 
-def fwd_ptx(target: str, spec: FwdSpec | BwdSpec) -> str:
+def fwd_ptx(target: str, spec: FwdSpec | BwdSpec, options: str = "") -> str:
     """PTX of the kernel of `spec`, whose shared memory must be the spec's buffers (what the
-    tile search sized it by)."""
+    tile search sized it by); `options`: more cute.compile options."""
     with tempfile.TemporaryDirectory() as dump_dir:
-        kernel = spec.compile(target, f"--keep-ptx --dump-dir {dump_dir}")
+        kernel = spec.compile(target, f"--keep-ptx --dump-dir {dump_dir} {options}")
         assert launch_smem_bytes(kernel) == spec.smem_bytes()
         return kernel.artifacts.PTX
+
+
+# cute.compile option: the DSL prints ptxas's remarks (spills, and C7512 where ptxas found too
+# few registers to keep a warpgroup's wgmmas in flight and serialized them)
+PTXAS_REMARKS = "remarks{ptx}"
+
+
+def check_wgmma_not_serialized(capfd) -> None:
+    """The compiles since the last capture (with PTXAS_REMARKS) kept their wgmmas asynchronous."""
+    printed = "".join(capfd.readouterr())
+    assert "ptxas" in printed  # the remarks came through
+    assert "C7512" not in printed, "ptxas serialized the wgmmas (too few registers)"
 
 
 def check_mma_sync_ptx(target: str, ptx: str) -> None:
@@ -158,10 +170,13 @@ def check_fwd_ptx(target: str, ptx: str) -> None:
     ],
 )
 @pytest.mark.parametrize("target", SUPPORTED_ARCHS)
-def test_fwd_head_dims_compile(target: str, head_dim: int, dtype: str) -> None:
+def test_fwd_head_dims_compile(target: str, head_dim: int, dtype: str, capfd) -> None:
     spec = fwd_spec_for(target, head_dim, dtype)
     assert spec.smem_bytes() <= smem_capacity(target)
-    check_fwd_ptx(target, fwd_ptx(target, spec))
+    hopper = target == "sm_90a"
+    check_fwd_ptx(target, fwd_ptx(target, spec, PTXAS_REMARKS if hopper else ""))
+    if hopper:
+        check_wgmma_not_serialized(capfd)
 
 
 @pytest.mark.parametrize("has_softcap", [False, True])
@@ -171,13 +186,14 @@ def test_fwd_head_dims_compile(target: str, head_dim: int, dtype: str) -> None:
 )
 @pytest.mark.parametrize("mask", [None, FULL_MASK], ids=["nomask", "mask"])
 @pytest.mark.parametrize("target", SUPPORTED_ARCHS)
-def test_fwd_flag_combinations_compile(target, mask, bias, has_window, has_softcap) -> None:
+def test_fwd_flag_combinations_compile(target, mask, bias, has_window, has_softcap, capfd) -> None:
     spec = fwd_spec_for(
         target, 128, mask=mask, bias=bias, has_window=has_window, has_softcap=has_softcap
     )
-    ptx = fwd_ptx(target, spec)
+    ptx = fwd_ptx(target, spec, PTXAS_REMARKS if target == "sm_90a" else "")
     check_fwd_ptx(target, ptx)
     if target == "sm_90a":
+        check_wgmma_not_serialized(capfd)
         # causal/window limits: the Hopper forward maps its launch position longest first,
         # through the grid's extents
         assert ("%nctaid.y" in ptx) == has_window
@@ -315,18 +331,21 @@ DBIAS_DIRECT_ORDERED = DbiasSpec("bf16", ("d", "d", "d", "1"), False, True, Fals
      (128, "bf16", None, None, None, False, False, "det-split"),
      (128, "fp16", FULL_MASK, FULL_BIAS, DBIAS_DIRECT_ORDERED, False, True, "det")],
 )  # fmt: skip
-def test_hopper_bwd_compiles(head_dim, dtype, mask, bias, dbias, window, softcap, split) -> None:
+def test_hopper_bwd_compiles(
+    head_dim, dtype, mask, bias, dbias, window, softcap, split, capfd
+) -> None:
     """The Hopper backward: Q/dO/K/V by TMA, five wgmma GEMMs, dQ added by a TMA reduce-add
     (no atomics), dK/dV stored by TMA (added by TMA reduce-add when a group's heads are split
     over CTAs), mask/bias tiles by cp.async, dbias stored or added by atomics, the producer's
-    registers handed to the MMA warpgroups."""
+    registers handed to the MMA warpgroups, enough for ptxas to keep the wgmmas in flight."""
     det = split in ("det", "det-split")  # a deterministic order
     split = split in (True, "det-split")
     spec = Sm90BwdSpec.build(
         "sm_90a", dtype, head_dim, mask, bias, dbias, window, softcap, split, det
     )
     assert spec.smem_bytes() <= smem_capacity("sm_90a")
-    ptx = fwd_ptx("sm_90a", spec)
+    ptx = fwd_ptx("sm_90a", spec, PTXAS_REMARKS)
+    check_wgmma_not_serialized(capfd)
     assert re.findall(r"^\.target (\S+)", ptx, flags=re.MULTILINE) == ["sm_90a"]
     assert "wgmma.mma_async.sync.aligned" in ptx
     assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx
