@@ -237,26 +237,23 @@ class EagerAttention(torch.autograd.Function):
             bits=None if bits is None else bits[0], key_expiry=key_expiry,
         )  # fmt: skip
         ctx.bwd_bits = None if bits is None else bits[1]
-        ctx.save_for_backward(
-            query, key, value, attn_mask, attn_bias, block_mask, key_expiry, out, stats
-        )
+        # the backward takes the same 4-D views of the mask and bias
+        ctx.save_for_backward(query, key, value, mask, bias, block_mask, key_expiry, out, stats)
         ctx.problem = problem
+        ctx.bias_shape = None if attn_bias is None else attn_bias.shape
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: None) -> tuple[Tensor | None, ...]:
-        query, key, value, attn_mask, attn_bias, block_mask, key_expiry, out, stats = (
-            ctx.saved_tensors
-        )
-        bias_grad = attn_bias is not None and ctx.needs_input_grad[5]
+        query, key, value, mask, bias, block_mask, key_expiry, out, stats = ctx.saved_tensors
+        bias_grad = bias is not None and ctx.needs_input_grad[5]
         dq, dk, dv, dbias = flash_bwd(
-            ctx.problem, dout, query, key, value, broadcast_view(attn_mask),
-            broadcast_view(attn_bias), out, stats, bias_grad, block_mask=block_mask,
-            bits=ctx.bwd_bits, key_expiry=key_expiry,
+            ctx.problem, dout, query, key, value, mask, bias, out, stats, bias_grad,
+            block_mask=block_mask, bits=ctx.bwd_bits, key_expiry=key_expiry,
         )  # fmt: skip
-        dbias = dbias.view(attn_bias.shape) if bias_grad else None
+        dbias = dbias.view(ctx.bias_shape) if bias_grad else None
         return None, dq, dk, dv, None, dbias, None, None
 
 

@@ -258,10 +258,11 @@ def broadcast_view(t: Tensor | None) -> Tensor | None:
     if t is None:
         return None
     view = t.unsqueeze(2) if t.dim() == 3 else t
-    strides = tuple(
-        0 if size == 1 else stride for size, stride in zip(view.shape, view.stride(), strict=True)
-    )
-    return view.as_strided(view.shape, strides, view.storage_offset())
+    shape, stride = view.shape, view.stride()
+    if all(st == 0 for size, st in zip(shape, stride, strict=True) if size == 1):
+        return view  # already so (e.g. a mask without broadcast dims): no view op per call
+    strides = tuple(0 if size == 1 else st for size, st in zip(shape, stride, strict=True))
+    return view.as_strided(shape, strides, view.storage_offset())
 
 
 def _check_mask_bias(attn_mask: object, attn_bias: object, query: Tensor) -> None:

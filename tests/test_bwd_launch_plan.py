@@ -61,6 +61,20 @@ def test_another_dbias_request_makes_another_plan(launches) -> None:
     assert (dq.shape, dk.shape, dv.shape) == ((B, SQ, H, D), (B, SK, HKV, D), (B, SK, HKV, D))
 
 
+def test_one_zeroed_allocation_holds_dq_and_the_fp32_dbias(launches) -> None:
+    """A key bias's dbias is summed into a zeroed fp32 buffer: the one fill that zeroes the dq
+    accumulator zeroes it too (one allocation), and it still starts 16-byte aligned."""
+    bias = torch.randn(B, HKV, 1, SK, dtype=torch.bfloat16)
+    *_, dbias = backward(None, bias)
+    spec, args = launches["calls"][-1]
+    dq_acc, dbias_buf = args[6], args[16]
+    assert isinstance(spec, Sm90BwdSpec) and not spec.dbias.direct
+    assert dq_acc.dtype == dbias_buf.dtype == torch.float32
+    assert dq_acc.untyped_storage().data_ptr() == dbias_buf.untyped_storage().data_ptr()
+    assert dbias_buf.data_ptr() % 16 == 0 and not dbias_buf.any()
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+
+
 def test_heads_split_and_deterministic_rotation(launches) -> None:
     """B1 MQA: few CTAs, so the group's heads split (fp32 dk/dv partials); deterministic with
     no more key blocks than query blocks: the walks rotate."""

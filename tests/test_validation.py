@@ -11,7 +11,7 @@ import torch
 
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.jit.arch import device_arch
-from dmattn_cute.problem import check_device, make_problem
+from dmattn_cute.problem import broadcast_view, check_device, make_problem
 from tests.utils import normalize_broadcast
 
 B, SQ, SK, H, HKV, D = 2, 3, 5, 4, 2, 16
@@ -398,3 +398,16 @@ def test_cpu_device_skips_capability_check(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", no_cuda)
     check_device(torch.device("cpu"))
+
+
+def test_broadcast_view_views_only_where_strides_change() -> None:
+    """broadcast_view gives every size-1 dim stride 0 (a view of the same storage), and passes
+    a 4-D tensor that already has them unchanged (no view op per call)."""
+    full = torch.randn(2, 3, 4, 5)
+    assert broadcast_view(full) is full
+    zeroed = torch.randn(2, 3, 1, 5).as_strided((2, 3, 1, 5), (15, 5, 0, 1))
+    assert broadcast_view(zeroed) is zeroed
+    for rows in (torch.randn(2, 3, 1, 5), torch.randn(2, 3, 5)):
+        view = broadcast_view(rows)
+        assert view.shape == (2, 3, 1, 5) and view.stride() == (15, 5, 0, 1)
+        assert view.data_ptr() == rows.data_ptr()
