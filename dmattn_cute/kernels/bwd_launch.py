@@ -237,29 +237,15 @@ def bwd_spec(
     return spec
 
 
-def _dbias_fp32_shape(
-    problem: Problem, bias: torch.Tensor | None, bias_grad: bool, query_split: bool = False
-) -> tuple[int, ...] | None:
-    """The shape of the zeroed fp32 buffer the kernel adds dbias into ("sum": the bias's,
-    "slots": a row per (batch, query head)); None where dbias needs none."""
-    if bias is None or not bias_grad:
-        return None
-    kind = dbias_plan(problem, bias.shape, query_split)[0]
-    if kind == "sum":
-        return tuple(bias.shape)
-    if kind == "slots":
-        return (problem.batch, problem.num_heads, 1, bias.shape[3])
-    return None
-
-
 def _dbias_buffers(
     problem: Problem, bias: torch.Tensor | None, bias_grad: bool, device=None,
     query_split: bool = False, fp32_buf: torch.Tensor | None = None,
 ) -> tuple[str, tuple[bool, bool], torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(kind, fold, dbias, dbias_buf): the dbias returned to the caller and the buffer the
     kernel writes (the same tensor for "direct"), both zeroed, on `device` (default: the
-    bias's); None where there is none. fp32_buf: the zeroed fp32 buffer of _dbias_fp32_shape
-    where the caller carved it from a larger allocation (made here when None)."""
+    bias's); None where there is none. fp32_buf: the zeroed fp32 buffer of a "sum" / "slots"
+    kind where the caller carved it from a larger allocation (its plan's dbias_shape; made
+    here when None)."""
     if bias is None or not bias_grad:
         return "zero", (False, False), None, None
     kind, *fold = dbias_plan(problem, bias.shape, query_split)
@@ -269,10 +255,11 @@ def _dbias_buffers(
         # Zeroed: tiles that causal/window ranges or all-False mask tiles skip are never
         # written by the kernel.
         dbias = dbias_buf = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
-    elif kind in ("sum", "slots"):
+    elif kind in ("sum", "slots"):  # slots: a row per (batch, query head)
         dbias_buf = fp32_buf
         if dbias_buf is None:
-            shape = _dbias_fp32_shape(problem, bias, bias_grad, query_split)
+            rows = (problem.batch, problem.num_heads, 1, bias.shape[3])
+            shape = bias.shape if kind == "sum" else rows
             dbias_buf = torch.zeros(shape, dtype=torch.float32, device=device)
     else:
         dbias = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
@@ -389,6 +376,7 @@ class _BwdPlan(NamedTuple):
     query_splits: int
     rotate: int
     n_blocks: int
+    dbias_shape: tuple[int, ...] | None  # the fp32 dbias buffer's ("sum" / "slots"), else None
 
 
 # Plans by (problem, arch, kernel family choice, SMs, mask/bias layouts, dbias request);
@@ -424,9 +412,10 @@ def _plan(
         m_blocks = -(-problem.seqlen_q // tile_m)
         n_blocks = -(-problem.seqlen_k // tile_n)
         rotate = int(spec.deterministic and n_blocks <= min(m_blocks, sms))
+    dbias_shape = tuple(dbias_buf.shape) if kind in ("sum", "slots") else None
     return _BwdPlan(
         pre_kernel, spec, compiled(spec, arch), scalars, bits_tile, splits, split, rotate,
-        n_blocks,
+        n_blocks, dbias_shape,
     )  # fmt: skip
 
 
@@ -526,13 +515,12 @@ def flash_bwd(
     # (each part starts on a multiple of D floats: 32-byte aligned, as TMA needs 16), and last
     # any fp32 dbias buffer
     split = isinstance(spec, Sm90BwdSpec) and spec.split_heads
-    query_split = plan.query_splits > 1
-    dbias_shape = _dbias_fp32_shape(problem, bias, bias_grad, query_split)
     shapes = [q.shape, k.shape, v.shape] if split else [q.shape]
+    dbias_shape = plan.dbias_shape
     dq_acc, *parts = _zeroed_fp32(shapes + ([dbias_shape] if dbias_shape else []), q.device)
     kv_acc = parts[:2] if split else []
     kind, _, dbias, dbias_buf = _dbias_buffers(
-        problem, bias, bias_grad, query_split=query_split,
+        problem, bias, bias_grad, query_split=plan.query_splits > 1,
         fp32_buf=parts[-1] if dbias_shape else None,
     )  # fmt: skip
     dbias_view = broadcast_view(dbias_buf)
