@@ -5,7 +5,7 @@ import zlib
 import pytest
 import torch
 
-from dmattn_cute.jit import CACHE_ENV, arch_for_capability
+from dmattn_cute.jit import CACHE_ENV, KERNELS_ENV, arch_for_capability
 
 # Markers of tests that need a GPU of one architecture, and the arch each stands for.
 ARCH_MARKERS = {"sm80": "sm_80", "sm86": "sm_86", "sm89": "sm_89", "sm90": "sm_90a"}
@@ -77,3 +77,9 @@ def launches(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(module, "compiled", compiled)
     yield record
     cache.clear_memory()
+
+
+@pytest.fixture
+def mma_sync_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SM80-family (mma.sync) kernels on a Hopper GPU too (other GPUs run them anyway)."""
+    monkeypatch.setenv(KERNELS_ENV, "mma_sync")

@@ -9,20 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmattn_cute.attention import flash_dmattn_func
-from dmattn_cute.jit.arch import KERNELS_ENV, target_arch
+from dmattn_cute.jit.arch import target_arch
 from dmattn_cute.kernels.bwd import BwdSpec
 from dmattn_cute.kernels.bwd_launch import backward_spec_of
 from dmattn_cute.problem import make_problem
-from tests.utils import grads_and_check, leaves, random_inputs
+from tests.utils import grads_and_check, random_inputs, rerun_grads
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def mma_sync_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    if target_arch() == "sm_90a":
-        monkeypatch.setenv(KERNELS_ENV, "mma_sync")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("mma_sync_kernels")]
 
 
 def assert_split(q, k, v, mask, bias, deterministic=False, is_causal=False, split=True):
@@ -86,8 +79,6 @@ def test_split_is_deterministic():
     assert_split(q, k, v, mask, bias, deterministic=True)
     dout = torch.randn_like(q)
     first, _ = grads_and_check(q, k, v, mask, bias, deterministic=True, dout=dout)
-    q1, k1, v1 = leaves((q, k, v))
-    b1 = bias.detach().clone().requires_grad_()
-    flash_dmattn_func(q1, k1, v1, mask, b1, deterministic=True).backward(dout)
-    for a, again in zip(first, (q1.grad, k1.grad, v1.grad, b1.grad), strict=True):
+    second = rerun_grads(q, k, v, mask, bias, dout, deterministic=True)
+    for a, again in zip(first, second, strict=True):
         assert torch.equal(a, again)

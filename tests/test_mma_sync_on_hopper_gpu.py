@@ -8,15 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from dmattn_cute.jit import KERNELS_ENV
 from tests import test_bwd_gpu, test_fwd_gpu
 
-pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
-
-
-@pytest.fixture(autouse=True)
-def mma_sync_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(KERNELS_ENV, "mma_sync")
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90, pytest.mark.usefixtures("mma_sync_kernels")]
 
 
 def test_the_setting_picks_the_mma_sync_kernels():

@@ -181,6 +181,15 @@ def leaves(tensors, dtype=None):
     ]
 
 
+def rerun_grads(q, k, v, mask, bias, dout, **kwargs):
+    """(dq, dk, dv, dbias) of one more forward + backward of flash_dmattn_func on fresh
+    leaves, for comparing runs bit for bit."""
+    q1, k1, v1 = leaves((q, k, v))
+    b1 = bias.detach().clone().requires_grad_()
+    flash_dmattn_func(q1, k1, v1, mask, b1, **kwargs).backward(dout)
+    return q1.grad, k1.grad, v1.grad, b1.grad
+
+
 def compact_mask_grads_and_check(q, k, v, mask, bias, dense, compact: dict, **kwargs):
     """Ours given a compact mask (`compact`: block_mask= or key_expiry=) and attn_mask vs the
     fp32 and low-precision references given `dense`, the element mask they stand for
