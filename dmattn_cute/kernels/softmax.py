@@ -220,6 +220,21 @@ def load_row_stats(mStats, mDpsum, coord, b, h, seqlen_q, has_bias: cutlass.Cons
 
 
 @cute.jit
+def fold_max(log2sum: cute.Tensor, row_max: cute.Tensor, scale_log2: cutlass.Float32):
+    """The backward's stats of biased rows folded into one shift each: log2sum <- row_max *
+    scale_log2 + log2sum, so P = exp2(s * scale_log2 - shift) takes one FMA per score.
+    Returns whether every row of the warp has a moderate max (warp-uniform), where that shift
+    rounds as the bounded scores' does (OnlineSoftmax.probabilities); where not, the caller
+    reads both stats again and subtracts the max first."""
+    moderate = cutlass.Boolean(True)
+    for i in cutlass.range_constexpr(cute.size(log2sum)):
+        max_log2 = row_max[i] * scale_log2
+        moderate = moderate & (max_log2 < _MODERATE) & (max_log2 > -_MODERATE)
+        log2sum[i] = max_log2 + log2sum[i]
+    return cute.arch.vote_all_sync(moderate)
+
+
+@cute.jit
 def load_column_stat(stat_row, first, acc):
     """One statistic per query column of the transposed score tile `acc` (S^T in a wgmma
     accumulator: rows are keys) from stat_row, the (query in block) row of a stage in smem.

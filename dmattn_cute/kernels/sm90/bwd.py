@@ -98,7 +98,7 @@ from ..config import (
 from ..dbias import DbiasWriter
 from ..masking import FULL, VISIBLE
 from ..scores import Scores
-from ..softmax import load_column_stat, load_row_stats
+from ..softmax import fold_max, load_column_stat, load_row_stats
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from ..turns import DqTurns
 from ..utils import acc_as_a_operand, acc_mn_view, round_pairs
@@ -1092,22 +1092,33 @@ class FlashBwdSm90:
         # the stats of this thread's query columns (smem, 16 registers each) under the GEMMs;
         # dpsum only after the exp2s (not held with P, dP, the log2 sums and the maxima)
         mm.pipe_tiles.consumer_wait(state)
-        log2sum = load_column_stat(mm.sStats[0, None, idx], mm.first_col, acc_S)
-        row_max = None
+        shift = load_column_stat(mm.sStats[0, None, idx], mm.first_col, acc_S)
+        moderate = cutlass.Boolean(True)
         if cutlass.const_expr(spec.bias is not None):
-            row_max = load_column_stat(mm.sStats[2, None, idx], mm.first_col, acc_S)
+            # with a bias the row max comes too: folded into the log2 sum at once (one stat
+            # held under the GEMMs, one FMA per score) where the warp's maxima are moderate,
+            # else both are read again for the exact subtraction
+            moderate = fold_max(
+                shift, load_column_stat(mm.sStats[2, None, idx], mm.first_col, acc_S),
+                mm.scale_log2,
+            )  # fmt: skip
         warpgroup.wait_group(1)  # S^T is complete
         if cutlass.const_expr(self.has_tiles):
             mm.scores.finish(acc_S, t_bias, t_mask, walk.bits(h, m_block) & FULL)
         mm.limits.apply(acc_S, coord, m_block, walk.n_block, transposed=True)
         acc_mn, dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
-        for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-            for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                if cutlass.const_expr(spec.bias is None):
-                    exponent = acc_mn[r, c] * mm.scale_log2 - log2sum[c]
-                else:
+        if moderate:
+            for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+                    exponent = acc_mn[r, c] * mm.scale_log2 - shift[c]
+                    acc_mn[r, c] = cute.math.exp2(exponent, fastmath=True)
+        else:
+            log2sum = load_column_stat(mm.sStats[0, None, idx], mm.first_col, acc_S)
+            row_max = load_column_stat(mm.sStats[2, None, idx], mm.first_col, acc_S)
+            for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
                     exponent = (acc_mn[r, c] - row_max[c]) * mm.scale_log2 - log2sum[c]
-                acc_mn[r, c] = cute.math.exp2(exponent, fastmath=True)
+                    acc_mn[r, c] = cute.math.exp2(exponent, fastmath=True)
         warpgroup.wait_group(0)  # dP^T is complete
         dpsum = load_column_stat(mm.sStats[1, None, idx], mm.first_col, acc_S)
         # every MMA thread arrives after its own reads of the stage (stats, mask, bias)
