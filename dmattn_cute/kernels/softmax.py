@@ -25,6 +25,12 @@ LN2 = math.log(2.0)
 _MODERATE = 2048.0
 
 
+@cute.jit
+def is_moderate(max_log2: cutlass.Float32) -> cutlass.Boolean:
+    """Whether a row max in log2 units is under _MODERATE in magnitude."""
+    return (max_log2 < _MODERATE) & (max_log2 > -_MODERATE)
+
+
 @dataclass(frozen=True)
 class OnlineSoftmax:
     """Running row max and row sum of this thread's accumulator rows.
@@ -70,7 +76,7 @@ class OnlineSoftmax:
         s_mn = acc_mn_view(acc_s)
         correction = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
         if cutlass.const_expr(self.huge_scores and not self.log2_units):
-            # Each row's max, then one path for the whole warp (no divergence): the FMA of
+            # Each row's max, then one form for the whole warp (no divergence): the FMA of
             # bounded scores where every row's max * scale_log2 is moderate, the exact
             # subtraction otherwise.
             new_maxes = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
@@ -81,55 +87,48 @@ class OnlineSoftmax:
                 )
                 new_maxes[r] = cute.arch.fmax(self.row_max[r], block_max)
                 base = 0.0 if new_maxes[r] == -cutlass.Float32.inf else new_maxes[r]
-                shift = base * self.scale_log2
-                moderate = moderate & (shift < _MODERATE) & (shift > -_MODERATE)
+                moderate = moderate & is_moderate(base * self.scale_log2)
             if cute.arch.vote_all_sync(moderate):
-                self.exponentiate(s_mn, new_maxes, correction, True)
+                for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                    self.accept_row(s_mn, r, s_mn[r, None].load(), new_maxes[r], correction, "fma")
             else:
-                self.exponentiate(s_mn, new_maxes, correction, False)
+                for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                    self.accept_row(
+                        s_mn, r, s_mn[r, None].load(), new_maxes[r], correction, "exact"
+                    )
             return correction
+        form = "log2" if cutlass.const_expr(self.log2_units) else "fma"
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = s_mn[r, None].load()
             block_max = quad_allreduce_max(
                 row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
             )
-            prev_max = self.row_max[r]
-            new_max = cute.arch.fmax(prev_max, block_max)
-            base = 0.0 if new_max == -cutlass.Float32.inf else new_max
-            if cutlass.const_expr(self.log2_units):
-                probs = cute.math.exp2(row - base, fastmath=True)
-                correction[r] = cute.math.exp2(prev_max - base, fastmath=True)
-            else:
-                shift = base * self.scale_log2
-                probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
-                correction[r] = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
-            self.row_sum[r] = self.row_sum[r] * correction[r] + probs.reduce(
-                cute.ReductionOp.ADD, cutlass.Float32.zero, 0
-            )
-            self.row_max[r] = new_max
-            s_mn[r, None] = probs
+            new_max = cute.arch.fmax(self.row_max[r], block_max)
+            self.accept_row(s_mn, r, row, new_max, correction, form)
         return correction
 
     @cute.jit
-    def exponentiate(self, s_mn, new_maxes, correction, fused: cutlass.Constexpr[bool]):
-        """probabilities' second pass with huge scores: each row's exp2 against its new max,
-        by one FMA per score (fused: the max is moderate) or subtracting first."""
-        for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            row = s_mn[r, None].load()
-            prev_max, new_max = self.row_max[r], new_maxes[r]
-            base = 0.0 if new_max == -cutlass.Float32.inf else new_max
-            if cutlass.const_expr(fused):
-                shift = base * self.scale_log2
-                probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
-                correction[r] = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
-            else:
-                probs = cute.math.exp2((row - base) * self.scale_log2, fastmath=True)
-                correction[r] = cute.math.exp2((prev_max - base) * self.scale_log2, fastmath=True)
-            self.row_sum[r] = self.row_sum[r] * correction[r] + probs.reduce(
-                cute.ReductionOp.ADD, cutlass.Float32.zero, 0
-            )
-            self.row_max[r] = new_max
-            s_mn[r, None] = probs
+    def accept_row(self, s_mn, r, row, new_max, correction, form: cutlass.Constexpr[str]):
+        """Row r's scores `row` made probabilities against its new max, in `form`: "log2"
+        (scores in log2 units), "fma" (one FMA per score) or "exact" (the max subtracted
+        before scaling); its correction, sum and max updated."""
+        prev_max = self.row_max[r]
+        base = 0.0 if new_max == -cutlass.Float32.inf else new_max
+        if cutlass.const_expr(form == "log2"):
+            probs = cute.math.exp2(row - base, fastmath=True)
+            correction[r] = cute.math.exp2(prev_max - base, fastmath=True)
+        elif cutlass.const_expr(form == "fma"):
+            shift = base * self.scale_log2
+            probs = cute.math.exp2(row * self.scale_log2 - shift, fastmath=True)
+            correction[r] = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
+        else:
+            probs = cute.math.exp2((row - base) * self.scale_log2, fastmath=True)
+            correction[r] = cute.math.exp2((prev_max - base) * self.scale_log2, fastmath=True)
+        self.row_sum[r] = self.row_sum[r] * correction[r] + probs.reduce(
+            cute.ReductionOp.ADD, cutlass.Float32.zero, 0
+        )
+        self.row_max[r] = new_max
+        s_mn[r, None] = probs
 
     @cute.jit
     def rescale_output(self, acc_o: cute.Tensor, correction: cute.Tensor):
@@ -229,9 +228,22 @@ def fold_max(log2sum: cute.Tensor, row_max: cute.Tensor, scale_log2: cutlass.Flo
     moderate = cutlass.Boolean(True)
     for i in cutlass.range_constexpr(cute.size(log2sum)):
         max_log2 = row_max[i] * scale_log2
-        moderate = moderate & (max_log2 < _MODERATE) & (max_log2 > -_MODERATE)
+        moderate = moderate & is_moderate(max_log2)
         log2sum[i] = max_log2 + log2sum[i]
     return cute.arch.vote_all_sync(moderate)
+
+
+@cute.jit
+def exp2_columns(acc_mn, scale_log2: cutlass.Float32, shift: cute.Tensor, col_max=None):
+    """P = exp2(s * scale_log2 - shift) in place over the transposed score tile acc_mn (one
+    stat per query column), or with col_max exp2((s - max) * scale_log2 - shift)."""
+    for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
+        for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
+            if cutlass.const_expr(col_max is None):
+                exponent = acc_mn[r, c] * scale_log2 - shift[c]
+            else:
+                exponent = (acc_mn[r, c] - col_max[c]) * scale_log2 - shift[c]
+            acc_mn[r, c] = cute.math.exp2(exponent, fastmath=True)
 
 
 @cute.jit

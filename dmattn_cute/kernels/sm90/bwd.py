@@ -98,7 +98,7 @@ from ..config import (
 from ..dbias import DbiasWriter
 from ..masking import FULL, VISIBLE
 from ..scores import Scores
-from ..softmax import fold_max, load_column_stat, load_row_stats
+from ..softmax import exp2_columns, fold_max, load_column_stat, load_row_stats
 from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
 from ..turns import DqTurns
 from ..utils import acc_as_a_operand, acc_mn_view, round_pairs
@@ -1093,7 +1093,7 @@ class FlashBwdSm90:
         # dpsum only after the exp2s (not held with P, dP, the log2 sums and the maxima)
         mm.pipe_tiles.consumer_wait(state)
         shift = load_column_stat(mm.sStats[0, None, idx], mm.first_col, acc_S)
-        moderate = cutlass.Boolean(True)
+        moderate = None
         if cutlass.const_expr(spec.bias is not None):
             # with a bias the row max comes too: folded into the log2 sum at once (one stat
             # held under the GEMMs, one FMA per score) where the warp's maxima are moderate,
@@ -1107,18 +1107,15 @@ class FlashBwdSm90:
             mm.scores.finish(acc_S, t_bias, t_mask, walk.bits(h, m_block) & FULL)
         mm.limits.apply(acc_S, coord, m_block, walk.n_block, transposed=True)
         acc_mn, dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
-        if moderate:
-            for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                    exponent = acc_mn[r, c] * mm.scale_log2 - shift[c]
-                    acc_mn[r, c] = cute.math.exp2(exponent, fastmath=True)
+        # (not one `or`: the first test is compile-time, the second the warp's run-time vote)
+        if cutlass.const_expr(spec.bias is None):  # noqa: SIM114
+            exp2_columns(acc_mn, mm.scale_log2, shift)
+        elif moderate:
+            exp2_columns(acc_mn, mm.scale_log2, shift)
         else:
             log2sum = load_column_stat(mm.sStats[0, None, idx], mm.first_col, acc_S)
             row_max = load_column_stat(mm.sStats[2, None, idx], mm.first_col, acc_S)
-            for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
-                for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
-                    exponent = (acc_mn[r, c] - row_max[c]) * mm.scale_log2 - log2sum[c]
-                    acc_mn[r, c] = cute.math.exp2(exponent, fastmath=True)
+            exp2_columns(acc_mn, mm.scale_log2, log2sum, row_max)
         warpgroup.wait_group(0)  # dP^T is complete
         dpsum = load_column_stat(mm.sStats[1, None, idx], mm.first_col, acc_S)
         # every MMA thread arrives after its own reads of the stage (stats, mask, bias)
