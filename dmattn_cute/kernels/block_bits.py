@@ -173,17 +173,26 @@ class BlockBits:
         outputs = []  # (bits, query block, whether the group's byte exists) per round
         seen_all = cutlass.Boolean(False)
         every_all = cutlass.Boolean(True)
+        scans = []
+        for r in cutlass.range_constexpr(rows):
+            scans.append(
+                operands.mask_scan(
+                    spec.mask, mMask, b, h, limits, m_group * rows + r, None, used,
+                    NUM_THREADS, tidx,
+                )
+            )  # fmt: skip
+        # gmem -> rmem: this thread's share of every round's tile, bytes past Sq/Sk
+        # zero-filled (False: a row of tiles past Sq is seen as neither VISIBLE nor FULL),
+        # all issued before any is reduced, so that they are in flight together
+        if has_tile:
+            for r in cutlass.range_constexpr(rows):
+                masking.load_tile(scans[r], n_block)
         for r in cutlass.range_constexpr(rows):
             m_block = m_group * rows + r
-            scan = operands.mask_scan(
-                spec.mask, mMask, b, h, limits, m_block, None, used, NUM_THREADS, tidx
-            )
-            # gmem -> rmem: this thread's share of the tile, bytes past Sq/Sk zero-filled
-            # (False: a row of tiles past Sq is seen as neither VISIBLE nor FULL)
             seen = cutlass.Boolean(False)
             every = cutlass.Boolean(True)  # threads holding no share do not veto
             if has_tile:
-                seen, every = masking.scan_tile(scan, n_block)
+                seen, every = masking.tile_any_all(scans[r].frag, scans[r].words)
             seen_all = seen_all | seen
             every_all = every_all & every
             self.ballots(s_ballots, r, seen, every, mBits, b, h, m_block, n_block,

@@ -165,9 +165,9 @@ def tile_any_all(frag: cute.Tensor, words: cutlass.Constexpr):
 
 
 @cute.jit
-def scan_tile(scan, tile):
-    """(any True, all True) of this thread's share of mask tile `tile` of a scan partition
-    (operands.mask_scan): gmem -> rmem, bytes past Sq/Sk zero-filled, then tile_any_all."""
+def load_tile(scan, tile):
+    """This thread's share of mask tile `tile` of a scan partition (operands.mask_scan) into
+    scan.frag: gmem -> rmem, bytes past Sq/Sk zero-filled."""
     tiles.copy_tile(
         scan.copy,
         scan.tXgX[None, None, None, tile],
@@ -178,6 +178,13 @@ def scan_tile(scan, tile):
         True,
         True,
     )
+
+
+@cute.jit
+def scan_tile(scan, tile):
+    """(any True, all True) of this thread's share of mask tile `tile`: load_tile, then
+    tile_any_all."""
+    load_tile(scan, tile)
     return tile_any_all(scan.frag, scan.words)
 
 
