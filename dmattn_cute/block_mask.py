@@ -121,7 +121,7 @@ def create_block_mask(
     scores = block_scores[:, :, None, :].expand(-1, -1, m_blocks, -1)
     if is_causal or left >= 0 or right >= 0:
         scores = scores.masked_fill(
-            ~_visible_blocks(seqlen_q, seqlen_k, is_causal, left, right, key_scores.device),
+            ~visible_blocks(seqlen_q, seqlen_k, is_causal, left, right, key_scores.device),
             -torch.inf,
         )
     keep = min(keep_blocks, n_blocks)
@@ -131,18 +131,26 @@ def create_block_mask(
     return kept
 
 
-def _visible_blocks(
-    seqlen_q: int, seqlen_k: int, causal: bool, left: int, right: int, device: torch.device
+def visible_blocks(
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool,
+    left: int,
+    right: int,
+    device: torch.device,
+    block_q: int = BLOCK,
+    block_k: int = BLOCK,
 ) -> Tensor:
-    """bool [Mq, Mk]: whether a query block and a key block have a visible pair under the
-    causal / window limits. Query i sees keys [i + shift - left, i + shift + right] (causal:
-    right = 0), both ends rising with i: a block pair has a visible pair when its first key is
-    below the last row's upper end and its last key above the first row's lower end."""
-    m_blocks, n_blocks = block_counts(seqlen_q, seqlen_k)
-    first = torch.arange(m_blocks, device=device) * BLOCK
-    last = torch.clamp(first + BLOCK - 1, max=seqlen_q - 1)
-    key_first = torch.arange(n_blocks, device=device) * BLOCK
-    key_last = torch.clamp(key_first + BLOCK - 1, max=seqlen_k - 1)
+    """bool [ceil(Sq / block_q), ceil(Sk / block_k)]: whether a query block and a key block
+    have a visible pair under the causal / window limits. Query i sees keys [i + shift - left,
+    i + shift + right] (causal: right = 0), both ends rising with i: a block pair has a
+    visible pair when its first key is below the last row's upper end and its last key above
+    the first row's lower end."""
+    m_blocks, n_blocks = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    first = torch.arange(m_blocks, device=device) * block_q
+    last = torch.clamp(first + block_q - 1, max=seqlen_q - 1)
+    key_first = torch.arange(n_blocks, device=device) * block_k
+    key_last = torch.clamp(key_first + block_k - 1, max=seqlen_k - 1)
     shift = seqlen_k - seqlen_q  # bottom-right: query i sits at key i + shift
     visible = torch.ones(m_blocks, n_blocks, dtype=torch.bool, device=device)
     if causal or right >= 0:
@@ -160,5 +168,6 @@ __all__ = [
     "check_block_mask",
     "create_block_mask",
     "expand_block_mask",
+    "visible_blocks",
     "with_block_mask",
 ]

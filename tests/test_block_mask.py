@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dmattn_cute import create_block_mask, flash_dmattn_func
-from dmattn_cute.block_mask import BLOCK, _visible_blocks, block_counts
+from dmattn_cute.block_mask import BLOCK, block_counts, visible_blocks
 from dmattn_cute.kernels.block_mask_launch import block_bits, joint_mask
 from dmattn_cute.kernels.masking import FULL, VISIBLE
 from dmattn_cute.problem import Problem, broadcast_view
@@ -119,13 +119,15 @@ def test_bad_block_masks_raise(shape, dtype, error, match) -> None:
         (129, 1000, False, (0, 0)),
     ],
 )
-def test_visible_blocks_are_the_blocks_of_the_visible_mask(sq, sk, causal, window) -> None:
+@pytest.mark.parametrize("blocks", [(BLOCK, BLOCK), (64, 128), (128, 64)])
+def test_visible_blocks_are_the_blocks_of_the_visible_mask(sq, sk, causal, window, blocks) -> None:
     element = visible_mask(None, 1, 1, sq, sk, causal, window)[0, 0]
-    m_blocks, n_blocks = block_counts(sq, sk)
-    pad = torch.zeros(m_blocks * BLOCK, n_blocks * BLOCK, dtype=torch.bool)
+    block_q, block_k = blocks
+    m_blocks, n_blocks = -(-sq // block_q), -(-sk // block_k)
+    pad = torch.zeros(m_blocks * block_q, n_blocks * block_k, dtype=torch.bool)
     pad[:sq, :sk] = element
-    expected = pad.view(m_blocks, BLOCK, n_blocks, BLOCK).any(3).any(1)
-    assert torch.equal(_visible_blocks(sq, sk, causal, *window, "cpu"), expected)
+    expected = pad.view(m_blocks, block_q, n_blocks, block_k).any(3).any(1)
+    assert torch.equal(visible_blocks(sq, sk, causal, *window, "cpu", *blocks), expected)
 
 
 def test_create_block_mask_keeps_the_top_visible_blocks() -> None:
@@ -134,7 +136,7 @@ def test_create_block_mask_keeps_the_top_visible_blocks() -> None:
     kept = create_block_mask(scores, 3, seqlen_q=900, is_causal=True)
     m_blocks, n_blocks = block_counts(900, 1000)
     assert kept.shape == (2, 3, m_blocks, n_blocks)
-    visible = _visible_blocks(900, 1000, True, -1, -1, "cpu")
+    visible = visible_blocks(900, 1000, True, -1, -1, "cpu")
     padded = torch.nn.functional.pad(scores, (0, n_blocks * BLOCK - 1000), value=-torch.inf)
     block_scores = padded.view(2, 3, n_blocks, BLOCK).amax(3)
     for b in range(2):

@@ -14,8 +14,8 @@ from dmattn_cute.kernels.bwd_launch import (
     head_splits,
     split_waves,
     sum_slots,
-    walk_order,
 )
+from dmattn_cute.kernels.launch_order import walk_order
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import make_problem
 from tests.utils import random_inputs

@@ -447,6 +447,29 @@ def test_hopper_short_query_forward_compiles(head_dim: int) -> None:
     assert re.findall(r"\.minnctapersm (\d+)", ptx) == ["2" if two else "1"]
 
 
+# the key mask a block mask's bits pair with, widened by stride 0 (block_mask_launch.joint_mask)
+BLOCK_KEY_MASK = OperandSpec("u8", ("0", "0", "0", "1"), 16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_block_mask_orders_compile(causal: bool, capfd) -> None:
+    """With a block mask both Hopper kernels take their CTAs' items from the launch's order
+    (launch_order), read through the grid's extents; a deterministic backward keeps grid
+    order."""
+    fwd = Sm90FwdSpec.build("sm_90a", "bf16", 128, BLOCK_KEY_MASK, ROW_BIAS, causal, False,
+                            False, True)  # fmt: skip
+    assert fwd.ordered
+    ptx = fwd_ptx("sm_90a", fwd, PTXAS_REMARKS)
+    check_fwd_ptx("sm_90a", ptx)
+    check_wgmma_not_serialized(capfd)
+    assert "%nctaid.y" in ptx
+    for det in (False, True):
+        bwd = Sm90BwdSpec.build("sm_90a", "bf16", 128, BLOCK_KEY_MASK, ROW_BIAS, None, causal,
+                                False, True, det, True)  # fmt: skip
+        assert bwd.ordered == (not det)
+        assert ("%nctaid.y" in fwd_ptx("sm_90a", bwd)) == (not det)
+
+
 EXPIRY = OperandSpec("i32", ("d", "d", "0", "1"), 4)  # key_expiry rows (kernels/expiry_launch.py)
 
 

@@ -38,6 +38,7 @@ from .launch import (
     qkv_view,
     stride_kinds,
 )
+from .launch_order import walk_order
 from .sm90.bwd import Sm90BwdSpec
 
 
@@ -136,42 +137,6 @@ def spec_head_splits(
     return head_splits(problem, spec.tile.tile_n, sms, query_split, waves)
 
 
-def _walk_order(problem: Problem, tile_m: int, tile_n: int, waves: int, device) -> torch.Tensor:
-    # the kernel's window sides (causal: right 0), then masking.BlockLimits.query_block_range
-    # of every key block
-    limits = kernel_scalars(BwdScalars, problem, None, None)
-    left, right = limits.window_left, limits.window_right
-    m_blocks, n_blocks = -(-problem.seqlen_q // tile_m), -(-problem.seqlen_k // tile_n)
-    diag = problem.seqlen_k - problem.seqlen_q
-    n = torch.arange(n_blocks)
-    m_min = (n * tile_n - diag - right).clamp(min=0) // tile_m
-    m_end = -(-((n + 1) * tile_n - diag + left).clamp(min=0) // tile_m)
-    steps = (torch.clamp(m_end, max=m_blocks) - m_min).clamp(min=0)
-    items = problem.batch * problem.num_heads_kv
-    # sections of (batch, kv head)s whose CTAs make about `waves` waves, each sorted: the
-    # CTAs running at once share their Q/dO in L2, and the tail is one section's
-    section = torch.arange(items)[:, None] // max(1, waves // n_blocks)
-    rank = section * (steps.max() + 1) + steps.max() - steps
-    return torch.argsort(rank.flatten(), stable=True).to(torch.int32).to(device)
-
-
-_ORDERS: dict[tuple, torch.Tensor] = {}
-
-
-def walk_order(
-    problem: Problem, tile_m: int, tile_n: int, ctas_per_item: int, sms: int, device
-) -> torch.Tensor:
-    """int32 [B * Hkv * key blocks]: the Hopper backward's (batch, kv head, key block) items,
-    as b * Hkv * key blocks + kv head * key blocks + key block, by the query blocks their
-    causal/window limits leave them, most first; equal ones in grid order. In grid order
-    every run of key blocks holds the whole causal triangle, and the last wave ran long and
-    short walks side by side on a GPU that the short ones left idle. Made once per problem
-    and tile (the limits do not depend on the data)."""
-    waves = -(-2 * sms // ctas_per_item)  # key blocks of two waves
-    key = (problem, tile_m, tile_n, waves, device)
-    return remember(_ORDERS, key, lambda: _walk_order(problem, tile_m, tile_n, waves, device))
-
-
 def sum_slots(slots: torch.Tensor, bias_shape: torch.Size) -> torch.Tensor:
     """The fp32 [B, H, 1, Sk] rows of a "slots" dbias summed into the bias's [Bm, Hm, 1, Sk]
     (query heads h and h' share a bias head when h // (H / Hm) equals h' // (H / Hm)), by
@@ -191,10 +156,11 @@ def bwd_spec(
     fold: tuple[bool, bool],
     arch: str,
     sms: int,
+    block_mask: bool = False,
 ) -> BwdSpec | Sm90BwdSpec:
     """The backward variant for a problem on a GPU of `sms` SMs (mask/bias: kernel views from
     launch.operand_view; dbias_buf: the broadcast view the kernel writes, None for no dbias
-    work)."""
+    work; block_mask: the Hopper kernel's bits will be a block mask's)."""
     dbias = None
     if dbias_buf is not None:
         dbias = DbiasSpec(
@@ -214,7 +180,7 @@ def bwd_spec(
         try:
             spec = Sm90BwdSpec.build(
                 arch, dtype, problem.head_dim, *operands, dbias, *flags,
-                deterministic=problem.deterministic,
+                deterministic=problem.deterministic, block_mask=block_mask,
             )  # fmt: skip
         except ValueError:
             spec = None  # its mask/bias tiles do not fit: the mma.sync kernel
@@ -223,7 +189,7 @@ def bwd_spec(
             if splits > 1 or spec_head_splits(problem, spec, sms, mask is not None, splits) > 1:
                 spec = Sm90BwdSpec.build(
                     arch, dtype, problem.head_dim, *operands, dbias, *flags, split_heads=True,
-                    deterministic=problem.deterministic,
+                    deterministic=problem.deterministic, block_mask=block_mask,
                 )  # fmt: skip
             return spec
     spec = BwdSpec.build(
@@ -392,11 +358,13 @@ def _plan(
     bias_grad: bool,
     arch: str,
     sms: int,
+    block_mask: bool,
 ) -> _BwdPlan:
     # the layout of the dbias buffer a call makes: on the meta device
     split = query_splits(problem, mask is not None, arch)
     kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta", split > 1)
-    spec = bwd_spec(problem, mask, bias, broadcast_view(dbias_buf), kind, fold, arch, sms)
+    dbias_view = broadcast_view(dbias_buf)
+    spec = bwd_spec(problem, mask, bias, dbias_view, kind, fold, arch, sms, block_mask)
     pre_kernel = compiled(preprocess_spec(problem.dtype, problem.head_dim), arch)
     scalars = kernel_scalars(BwdScalars, problem, mask, bias)
     bits_tile, rotate, n_blocks = None, 0, 0
@@ -472,14 +440,15 @@ def flash_bwd(
     arch = target_arch(q.device)
     sms = sm_count(q.device, arch)
 
-    def plan_of(mask_k):
+    def plan_of(mask_k, blocks):
         key = (
             problem, arch, hopper_kernels(arch), sms, kernel_layout(mask_k), kernel_layout(bias_k),
-            bias_grad and bias is not None and (bias.shape, bias.dtype),
+            bias_grad and bias is not None and (bias.shape, bias.dtype), blocks,
         )  # fmt: skip
         return remember(
-            _PLANS, key, lambda: _plan(problem, mask_k, bias_k, bias_grad, arch, sms), _PLANS_MAX
-        )
+            _PLANS, key, lambda: _plan(problem, mask_k, bias_k, bias_grad, arch, sms, blocks),
+            _PLANS_MAX,
+        )  # fmt: skip
 
     expiry = None  # the expiry view, where the kernel reads it as its mask (as flash_fwd)
     if key_expiry is not None:
@@ -501,7 +470,7 @@ def flash_bwd(
         if blocks is None:
             mask = element_mask(mask, block_mask, problem)
     mask_k = operand_view(mask)
-    plan = plan_of(mask_k)
+    plan = plan_of(mask_k, blocks is not None)
     spec = plan.spec
 
     _check_vector_aligned("out", out)
@@ -532,6 +501,7 @@ def flash_bwd(
         )
     given, bits = bits, None
     if isinstance(spec, Sm90BwdSpec):
+        from_blocks = None  # the block mask's bits (memoized with it)
         if plan.bits_tile is not None:
             seqlens = (problem.seqlen_q, problem.seqlen_k)
             tiles = tuple(-(-n // t) for n, t in zip(seqlens, plan.bits_tile, strict=True))
@@ -545,9 +515,8 @@ def flash_bwd(
                 bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
             if blocks is not None:
                 from_blocks = block_bits(blocks, problem, *plan.bits_tile, mask_k.shape[1])
-                if mask_given:
-                    from_blocks = from_blocks & bits
-                bits = kernel_bits_view(from_blocks, -(-problem.seqlen_q // plan.bits_tile[0]))
+                joint_bits = from_blocks & bits if mask_given else from_blocks
+                bits = kernel_bits_view(joint_bits, -(-problem.seqlen_q // plan.bits_tile[0]))
         if spec.split_heads:  # fp32 partial sums of the CTAs that share a kv head
             dk, dv = kv_acc
         else:
@@ -561,8 +530,8 @@ def flash_bwd(
         order = None
         if spec.ordered:
             order = walk_order(
-                problem, spec.tile.tile_m, spec.tile.tile_n,
-                plan.splits * plan.query_splits, sms, q.device,
+                problem, spec.tile.tile_m, spec.tile.tile_n, plan.splits * plan.query_splits,
+                sms, q.device, blocks, from_blocks,
             )  # fmt: skip
         plan.kernel(
             q, k, v, dout, stats, dpsum, dq_acc, dk, dv, plan.splits, plan.query_splits,

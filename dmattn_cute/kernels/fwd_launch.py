@@ -30,6 +30,7 @@ from .launch import (
     operand_view,
     qkv_view,
 )
+from .launch_order import forward_order
 from .sm90.fwd import Sm90FwdSpec
 from .spec import OperandSpec
 
@@ -59,8 +60,14 @@ def fwd_spec(
 
 
 def _build(
-    problem: Problem, mask: OperandSpec | None, bias: OperandSpec | None, arch: str
+    problem: Problem,
+    mask: OperandSpec | None,
+    bias: OperandSpec | None,
+    arch: str,
+    block_mask: bool = False,
 ) -> FwdSpec | Sm90FwdSpec:
+    """block_mask: the Hopper kernel's bits will be a block mask's, whose query blocks the
+    launch orders (launch_order.forward_order)."""
     family = forward_family(arch)
     args = (
         arch, dtype_name(problem.dtype), problem.head_dim, mask, bias, problem.has_window,
@@ -69,7 +76,7 @@ def _build(
     if family is Sm90FwdSpec:
         # narrow key tiles pay only where a mask skips them; without one they double the walk
         short = problem.seqlen_q <= SHORT_QUERY_ROWS and mask is not None
-        return family.build(*args, short)
+        return family.build(*args, short, block_mask)
     return family.build(*args)
 
 
@@ -116,9 +123,10 @@ def _plan(
     bias: torch.Tensor | None,
     arch: str,
     key_chunks: int,
+    block_mask: bool,
 ) -> _FwdPlan:
     mask_spec = operand_spec(mask, problem.seqlen_k)
-    spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch)
+    spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch, block_mask)
     scalars = kernel_scalars(FwdScalars, problem, mask, bias)._replace(key_chunks=key_chunks)
     if key_chunks > 1:
         refusal = key_chunks_refusal(problem, mask, bias, key_chunks)
@@ -143,11 +151,16 @@ def _plan(
     )  # fmt: skip
 
 
-def _plan_of(problem: Problem, mask, bias, arch: str, key_chunks: int = 1) -> _FwdPlan:
+def _plan_of(
+    problem: Problem, mask, bias, arch: str, key_chunks: int = 1, block_mask: bool = False
+) -> _FwdPlan:
     key = (
-        problem, arch, hopper_kernels(arch), kernel_layout(mask), kernel_layout(bias), key_chunks
+        problem, arch, hopper_kernels(arch), kernel_layout(mask), kernel_layout(bias), key_chunks,
+        block_mask,
     )  # fmt: skip
-    return remember(_PLANS, key, lambda: _plan(problem, mask, bias, arch, key_chunks), _PLANS_MAX)
+    return remember(
+        _PLANS, key, lambda: _plan(problem, mask, bias, arch, key_chunks, block_mask), _PLANS_MAX
+    )
 
 
 def key_chunks_refusal(problem: Problem, mask, bias, key_chunks: int) -> str | None:
@@ -253,11 +266,11 @@ def flash_fwd(
             problem.batch, problem.num_heads, 2, problem.seqlen_q, dtype=torch.float32,
             device=q.device,
         )  # fmt: skip
-    plan = _plan_of(problem, mask, bias, arch, key_chunks)
+    plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None)
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, *plan.scalars)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, None, *plan.scalars)
     elif plan.bits_kernel is not None:
         if bits is not None:
             if blocks is not None or tuple(bits.shape) != plan.bits_shape:
@@ -265,16 +278,24 @@ def flash_fwd(
         elif blocks is None or mask_given:
             bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
             plan.bits_kernel(mask, bits, None, problem.seqlen_q, problem.seqlen_k)
+        order = None
         if blocks is None:
             bits = bits.as_strided(plan.bits_view_shape, plan.bits_strides)
         else:
-            tile_m, tile_n = plan.spec.tile.tile_m, plan.spec.tile.tile_n
+            spec = plan.spec
+            tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
             from_blocks = block_bits(blocks, problem, tile_m, tile_n, mask.shape[1])
             bits = from_blocks & bits if mask_given else from_blocks
             bits = kernel_bits_view(bits, -(-problem.seqlen_q // tile_m))
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, *plan.scalars)
+            group = problem.num_heads // problem.num_heads_kv
+            pairs = problem.batch * problem.num_heads
+            order = forward_order(
+                blocks, from_blocks, problem, tile_m, tile_n,
+                spec.section_heads(problem.seqlen_k, group, pairs),
+            )  # fmt: skip
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, *plan.scalars)
     elif isinstance(plan.spec, Sm90FwdSpec):
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, *plan.scalars)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, None, *plan.scalars)
     else:
         plan.kernel(q, k, v, out, lse, stats, mask, bias, *plan.scalars)
     return out, lse, stats

@@ -7,11 +7,12 @@ MQA), each group's query heads are split over `head_splits` CTAs; when one key b
 is long enough to set the kernel's time (a masked long sequence, whose visible blocks may
 crowd into a few key columns), its query range is split over `query_splits` CTAs. Split CTAs
 (split_heads) add their fp32 dK/dV partial sums into zeroed fp32 buffers by TMA reduce-add.
-Under causal/window limits (not deterministic) the CTAs take their (batch, kv head, key
-block) from an order the launch sorts by walk length, longest first (bwd_launch.walk_order). With a mask, the
-block-bits pre-pass (kernels/block_bits.py, for this kernel's tiles) says which (query block,
-key block) tiles have a True element (visible) and which are all True (full): every role walks
-the same visible query blocks, a full one loads and applies no mask tile. Four roles:
+Under causal/window limits or with a block mask (not deterministic) the CTAs take their
+(batch, kv head, key block) from an order the launch sorts by walk length, longest first
+(launch_order.walk_order). With a mask, the block-bits pre-pass (kernels/block_bits.py, for
+this kernel's tiles) says which (query block, key block) tiles have a True element (visible)
+and which are all True (full): every role walks the same visible query blocks, a full one
+loads and applies no mask tile. Four roles:
 
 - warp 0 (producer warpgroup, few registers): K and V once, then Q and dO of every step by TMA
   into `stages` smem stages.
@@ -136,14 +137,6 @@ class Sm90BwdSpec:
     # BwdSpec.can_split_heads asks of the mma.sync kernel).
     can_split_heads = True
 
-    @property
-    def ordered(self) -> bool:
-        """The CTAs take their (batch, kv head, key block) from a launch-sorted order, the
-        longest walks first (bwd_launch.walk_order): under causal/window limits, whose walks
-        differ in length, unless deterministic, whose turns need lower key blocks launched
-        first."""
-        return self.has_window and not self.deterministic
-
     dtype: str
     head_dim_padded: int
     tile: Sm90BwdTile
@@ -154,6 +147,11 @@ class Sm90BwdSpec:
     has_softcap: bool
     split_heads: bool
     deterministic: bool
+    # The CTAs take their (batch, kv head, key block) from a launch-sorted order, the longest
+    # walks first (launch_order.walk_order): under causal/window limits or with a block mask,
+    # whose walks differ in length, unless deterministic, whose turns need lower key blocks
+    # launched first.
+    ordered: bool = False
 
     @staticmethod
     @functools.cache  # called on every launch; the tile choice is pure
@@ -168,9 +166,11 @@ class Sm90BwdSpec:
         has_softcap: bool,
         split_heads: bool = False,
         deterministic: bool = False,
+        block_mask: bool = False,
     ) -> Sm90BwdSpec:
         """The variant for these choices (ValueError when its tiles do not fit `arch`, or for
-        a deterministic order with dbias sums)."""
+        a deterministic order with dbias sums); block_mask: the mask's bits are a block
+        mask's, whose walks the launch orders."""
         if deterministic and dbias is not None and not dbias.direct:
             raise ValueError("Hopper backward: a deterministic order takes a stored dbias")
         dp = padded_head_dim(head_dim)
@@ -186,7 +186,7 @@ class Sm90BwdSpec:
         tile = sm90_bwd_tile(arch, dp, dtype_bytes(dtype), *smem, transposable)
         return Sm90BwdSpec(
             dtype, dp, tile, mask, bias, dbias, has_window, has_softcap, split_heads,
-            deterministic,
+            deterministic, (has_window or block_mask) and not deterministic,
         )  # fmt: skip
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:

@@ -4,7 +4,9 @@ block skip.
 One CTA per (query block, head, batch), longest causal rows first: under causal/window limits
 the CTAs run in sections of query heads whose K and V fit in half of L2, and within a section
 the query block varies slowest (longest first), so the last wave runs every head's short rows
-instead of one head's long ones while the rest of the GPU idles. Three warpgroups:
+instead of one head's long ones while the rest of the GPU idles. With a block mask the launch
+gives the order (spec.ordered): the same sections, each sorted by visible key blocks, most
+first, since a random block mask leaves some rows twice the average. Three warpgroups:
 
 - the producer (warps 0-3, few registers): warp 0 loads Q once and K, V per visible key block
   by TMA into `stages` smem stages, and the bias tile too when its rows allow (16-bit,
@@ -112,6 +114,9 @@ class Sm90FwdSpec:
     bias: OperandSpec | None
     has_window: bool
     has_softcap: bool
+    # The CTAs take their (batch, head, query block) from an order the launch gives: a block
+    # mask's, sorted by visible key blocks, most first (block_mask_launch.forward_order).
+    ordered: bool = False
 
     @staticmethod
     @functools.cache  # called on every launch; the tile search is pure
@@ -124,12 +129,21 @@ class Sm90FwdSpec:
         has_window: bool,
         has_softcap: bool,
         short_queries: bool = False,
+        ordered: bool = False,
     ) -> Sm90FwdSpec:
         """short_queries: at most config.SHORT_QUERY_ROWS query rows (narrower key tiles)."""
         dp = padded_head_dim(head_dim)
         smem = _smem_operands(mask, bias)
         tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem, short_queries)
-        return Sm90FwdSpec(dtype, dp, tile, mask, bias, has_window, has_softcap)
+        return Sm90FwdSpec(dtype, dp, tile, mask, bias, has_window, has_softcap, ordered)
+
+    def section_heads(self, seqlen_k: int, group: int, pairs: int) -> int:
+        """(batch, query head) pairs per L2 section of the launch order (h fastest, then the
+        batch): whole GQA groups whose K and V fit in _L2_SECTION_BYTES, at least one, at
+        most all `pairs` (FlashFwdSm90.longest_first counts them the same way)."""
+        key_bytes = 2 * self.head_dim_padded * dtype_bytes(self.dtype)  # K and V
+        kv_heads = max(_L2_SECTION_BYTES // key_bytes // max(seqlen_k, 1), 1)
+        return min(kv_heads * group, pairs)
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:
         smem = _smem_operands(self.mask, self.bias)
@@ -148,7 +162,8 @@ class Sm90FwdSpec:
         stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
         mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
         bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
-        return [q, k, v, out, lse, stats, mask, bias, bits, *FwdScalars(), env_stream()]
+        order = fake_tensor("i32", ("1",), 4) if self.ordered else None
+        return [q, k, v, out, lse, stats, mask, bias, bits, order, *FwdScalars(), env_stream()]
 
     def compile(self, arch: str, extra_options: str = ""):
         return cute.compile(
@@ -218,6 +233,7 @@ class FlashFwdSm90:
         mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
+        mOrder: cute.Tensor | None,  # [B * H * query blocks] int32 (spec.ordered)
         scale_log2: cutlass.Float32,
         bias_scale: cutlass.Float32,
         softcap_scale: cutlass.Float32,
@@ -280,7 +296,7 @@ class FlashFwdSm90:
         grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mO.shape[0])
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], mK.shape[1], mLSE, mStats, mMask, mBias, mBits,
-            tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
+            mOrder, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
             window_left, window_right, mask_head_div, bias_head_div, group, key_chunks,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
             sBias_layout,
@@ -308,6 +324,25 @@ class FlashFwdSm90:
         hz = first + within % count
         return within // count, hz % n_h, hz // n_h
 
+    @cute.jit
+    def position(self, mOrder: cute.Tensor | None, seqlen_q, seqlen_k, group):
+        """(query block, head, batch entry) of this CTA. With an order (spec.ordered), its
+        item at the CTA's launch position; else the last query blocks first (under causal,
+        the longest), in L2 sections of heads under causal/window limits (longest_first)."""
+        m_rev, h, b = cute.arch.block_idx()
+        m_block = cutlass.Int32(0)
+        if cutlass.const_expr(self.spec.ordered):
+            n_m, n_h, _ = cute.arch.grid_dim()
+            item = mOrder[m_rev + n_m * (h + n_h * b)]
+            m_block = item % n_m
+            h = item // n_m % n_h
+            b = item // (n_m * n_h)
+        else:
+            if cutlass.const_expr(self.spec.has_window):
+                m_rev, h, b = self.longest_first(m_rev, h, b, seqlen_k, group)
+            m_block = cute.ceil_div(seqlen_q, self.tile_m) - 1 - m_rev
+        return m_block, h, b
+
     @cute.kernel
     def kernel(
         self,
@@ -322,6 +357,7 @@ class FlashFwdSm90:
         mMask: cute.Tensor | None,
         mBias: cute.Tensor | None,
         mBits: cute.Tensor | None,
+        mOrder: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -353,21 +389,6 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(atom)
             if cutlass.const_expr(tma_bias is not None):
                 cpasync.prefetch_descriptor(tma_bias)
-        m_blocks = cute.ceil_div(seqlen_q, tm)
-        m_rev, h, b = cute.arch.block_idx()
-        if cutlass.const_expr(spec.has_window):
-            m_rev, h, b = self.longest_first(m_rev, h, b, seqlen_k, group)
-        m_block = m_blocks - 1 - m_rev  # last query blocks first: under causal, the longest
-        limits = masking.BlockLimits(
-            seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
-        )
-        n_block_min, n_block_max = limits.key_block_range(m_block)
-        # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key blocks
-        # of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's key_chunks)
-        b_op = b // key_chunks
-        bits = None
-        if cutlass.const_expr(spec.mask is not None):
-            bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
 
         # ---- shared memory and pipelines ----
         smem = tiles.allocate_smem(spec.smem_buffers())
@@ -418,6 +439,17 @@ class FlashFwdSm90:
         # may start now: it waits for this grid the same way.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
+        m_block, h, b = self.position(mOrder, seqlen_q, seqlen_k, group)
+        limits = masking.BlockLimits(
+            seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
+        )
+        n_block_min, n_block_max = limits.key_block_range(m_block)
+        # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key blocks
+        # of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's key_chunks)
+        b_op = b // key_chunks
+        bits = None
+        if cutlass.const_expr(spec.mask is not None):
+            bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
         n_block_min, n_block_max = masking.chunk_block_range(
             bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
         )

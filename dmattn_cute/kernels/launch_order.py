@@ -1,0 +1,120 @@
+"""Launch orders of the Hopper kernels' CTAs: the most work first.
+
+The block scheduler starts CTAs in launch order as SMs free up. Where their work differs (the
+backward's walks under causal/window limits; a block mask whose query rows or key columns hold
+different numbers of visible blocks: at density 0.25 over 32 blocks, some hold twice the
+average), grid order ends with long CTAs running beside idle SMs. Sorted most work first, the
+short ones fill in behind the long ones. An order is int32 [items]: the CTA at launch position
+i takes item order[i] (its kernel's docstring says how an item is numbered).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..block_mask import visible_blocks
+from ..memo import remember, remember_for
+from ..problem import Problem
+from .masking import VISIBLE
+
+
+def sorted_items(work: torch.Tensor, per_section: int) -> torch.Tensor:
+    """int32 order of the items of work [rows, n] (item r * n + c has work[r, c]): sections
+    of `per_section` rows, in row order, each sorted by work, most first, ties in item
+    order. Sections keep the CTAs that run at once on a few rows' operands (L2)."""
+    n = work.shape[1]
+    by_work = torch.argsort(-work.flatten(), stable=True)
+    section = by_work // n // max(per_section, 1)
+    return by_work[torch.argsort(section, stable=True)].to(torch.int32)
+
+
+def walked_tiles(
+    problem: Problem, tile_m: int, tile_n: int, device, bits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bool [query tiles, key tiles] of the (tile_m, tile_n) tiles a kernel walks under the
+    problem's causal/window limits; with block bits [Bm, Hm, query tiles or 1, key tiles],
+    [Bm, Hm, query tiles, key tiles] of those that are also visible."""
+    limits = visible_blocks(
+        problem.seqlen_q, problem.seqlen_k, problem.is_causal, problem.window_left,
+        problem.window_right, device, tile_m, tile_n,
+    )  # fmt: skip
+    return limits if bits is None else limits & (bits & VISIBLE).bool()
+
+
+def _per_head(counts: torch.Tensor, heads: int) -> torch.Tensor:
+    """counts [Bm, Hm, ...] with Hm in {1, heads / g, heads} as [Bm, heads, ...] (mask head
+    h // g of head h)."""
+    if 1 < counts.shape[1] < heads:
+        return counts.repeat_interleave(heads // counts.shape[1], 1)
+    return counts.expand(counts.shape[0], heads, *counts.shape[2:])
+
+
+# Orders of recent block masks (memo.remember_for), by kernel, problem, tiles and sections.
+_MASK_ORDERS: dict[tuple, torch.Tensor] = {}
+# Orders of the backward's causal/window limits alone, by problem, tiles and sections.
+_LIMIT_ORDERS: dict[tuple, torch.Tensor] = {}
+
+
+def forward_order(
+    block_mask: torch.Tensor,
+    bits: torch.Tensor,
+    problem: Problem,
+    tile_m: int,
+    tile_n: int,
+    section_heads: int,
+) -> torch.Tensor:
+    """int32 [B * H * query tiles]: the Hopper forward's (batch, query head, query tile)
+    items, as (b * H + h) * query tiles + query tile, in sections of `section_heads` (batch,
+    head) pairs (h fastest; Sm90FwdSpec.section_heads), each by the key tiles its bits [Bm,
+    Hm, query tiles or 1, key tiles] (of `block_mask`, block_mask_launch.block_bits) and the
+    limits leave it, most first. Memoized per block mask, as its bits are."""
+
+    def make() -> torch.Tensor:
+        counts = walked_tiles(problem, tile_m, tile_n, bits.device, bits).sum(3)
+        batch, heads = problem.batch, problem.num_heads
+        counts = _per_head(counts, heads).expand(batch, heads, -1)
+        return sorted_items(counts.reshape(batch * heads, -1), section_heads)
+
+    key = ("fwd", problem, tile_m, tile_n, section_heads)
+    return remember_for(_MASK_ORDERS, block_mask, key, make)
+
+
+def walk_order(
+    problem: Problem,
+    tile_m: int,
+    tile_n: int,
+    ctas_per_item: int,
+    sms: int,
+    device,
+    block_mask: torch.Tensor | None = None,
+    bits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int32 [B * Hkv * key tiles]: the Hopper backward's (batch, kv head, key tile) items, as
+    (b * Hkv + kv head) * key tiles + key tile, by the query tiles their walks visit (of all
+    the group's heads), most first, ties in grid order; in sections of (batch, kv head)s
+    whose CTAs (`ctas_per_item` each) make about two waves on `sms` SMs. Under causal limits
+    every run of key tiles in grid order holds the whole triangle. Without a block mask, by
+    the limits alone, made once per problem and tile; with one, also by its bits (as
+    forward_order takes them), memoized per block mask."""
+    n_tiles = -(-problem.seqlen_k // tile_n)
+    waves = -(-2 * sms // ctas_per_item)  # key tiles of two waves
+    per_section = max(1, waves // n_tiles)
+    items = problem.batch * problem.num_heads_kv
+
+    def make() -> torch.Tensor:
+        if block_mask is None:
+            steps = walked_tiles(problem, tile_m, tile_n, "cpu").sum(0)
+            return sorted_items(steps.expand(items, -1), per_section).to(device)
+        steps = walked_tiles(problem, tile_m, tile_n, bits.device, bits).sum(2)
+        heads, heads_kv = problem.num_heads, problem.num_heads_kv
+        steps = _per_head(steps, heads).unflatten(1, (heads_kv, heads // heads_kv)).sum(2)
+        steps = steps.expand(problem.batch, -1, -1).reshape(items, -1)
+        return sorted_items(steps, per_section)
+
+    key = ("bwd", problem, tile_m, tile_n, per_section, torch.device(device))
+    if block_mask is None:
+        return remember(_LIMIT_ORDERS, key, make)
+    return remember_for(_MASK_ORDERS, block_mask, key, make)
+
+
+__all__ = ["forward_order", "sorted_items", "walk_order", "walked_tiles"]

@@ -1,0 +1,162 @@
+"""Launch orders of the Hopper kernels' CTAs (kernels/launch_order.py): sections in row order,
+each sorted by work, most first, ties in item order; a block mask's orders against visible
+tile counts brute-forced from its element mask; memoized per block mask; and the launches
+that pass them (a block mask, not deterministic) or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmattn_cute.kernels.block_mask_launch import block_bits
+from dmattn_cute.kernels.launch_order import forward_order, sorted_items, walk_order
+from dmattn_cute.problem import Problem, make_problem
+from dmattn_cute.reference import visible_mask
+from tests.test_block_mask import element_mask, random_block_mask
+from tests.utils import random_inputs
+
+
+def check_sorted(order: torch.Tensor, work: torch.Tensor, per_section: int) -> None:
+    """order: every item of work [rows, n] once; sections of per_section rows in row order,
+    each by work, most first, ties in item order."""
+    rows, n = work.shape
+    assert order.dtype == torch.int32
+    assert sorted(order.tolist()) == list(range(rows * n))
+    flat = work.flatten()
+    for part in order.long().split(per_section * n):
+        first = part.min() // n // per_section * per_section * n
+        assert sorted(part.tolist()) == list(range(first, first + len(part)))
+        ranked = flat[part]
+        assert (ranked[:-1] >= ranked[1:]).all()
+        ties = ranked[:-1] == ranked[1:]
+        assert (part[:-1][ties] < part[1:][ties]).all()
+
+
+@pytest.mark.parametrize("per_section", [1, 2, 3, 7])
+def test_sorted_items(per_section: int) -> None:
+    work = torch.randint(0, 5, (7, 6))
+    check_sorted(sorted_items(work, per_section), work, per_section)
+
+
+def problem_of(seqlen_q, seqlen_k, heads, heads_kv, causal, window=(-1, -1)) -> Problem:
+    q, k, v, _, _ = random_inputs(2, seqlen_q, seqlen_k, heads, heads_kv, 64, torch.bfloat16,
+                                  "meta")  # fmt: skip
+    problem, _, _ = make_problem(q, k, v, None, None, None, causal, 0.0, window, False)
+    return problem
+
+
+def tile_counts(block_mask, problem, tile_m, tile_n) -> torch.Tensor:
+    """int [B, H, query tiles, key tiles]: whether each tile has a visible (query, key) pair
+    of the block mask's element mask under the limits (brute force)."""
+    sq, sk, heads = problem.seqlen_q, problem.seqlen_k, problem.num_heads
+    window = (problem.window_left, problem.window_right)
+    seen = element_mask(block_mask, sq, sk).expand(-1, -1, sq, -1)
+    seen = seen.repeat_interleave(heads // block_mask.shape[1], 1).expand(problem.batch, -1, -1, -1)
+    seen = seen & visible_mask(None, 1, 1, sq, sk, problem.is_causal, window)[0, 0]
+    m_tiles, n_tiles = -(-sq // tile_m), -(-sk // tile_n)
+    pad = torch.zeros(*seen.shape[:2], m_tiles * tile_m, n_tiles * tile_n, dtype=torch.bool)
+    pad[:, :, :sq, :sk] = seen
+    return pad.unflatten(3, (n_tiles, tile_n)).unflatten(2, (m_tiles, tile_m)).any(5).any(3).int()
+
+
+CASES = [
+    # (Sq, Sk, H, Hkv, block mask [Bm, Hm, Mq, Mk] rows and heads, causal, window)
+    (1000, 1100, 4, 2, (2, 2, 8), False, (-1, -1)),
+    (1000, 1100, 4, 2, (1, 4, 8), True, (-1, -1)),
+    (700, 1000, 6, 2, (2, 1, 1), True, (-1, -1)),  # one row of blocks for every query block
+    (900, 900, 4, 4, (1, 4, 8), False, (300, 100)),
+]
+
+
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k", "heads", "heads_kv", "mask", "causal", "window"),
+                         CASES)  # fmt: skip
+@pytest.mark.parametrize("section", [1, 3, 100])
+def test_forward_order_sorts_query_tiles_by_visible_key_tiles(
+    seqlen_q, seqlen_k, heads, heads_kv, mask, causal, window, section
+) -> None:
+    problem = problem_of(seqlen_q, seqlen_k, heads, heads_kv, causal, window)
+    bm, hm, rows = mask
+    block_mask = random_block_mask((bm, hm, rows, -(-seqlen_k // 128)), 0.4, "cpu")
+    tile_m, tile_n = 64, 128
+    bits = block_bits(block_mask, problem, tile_m, tile_n, hm)
+    order = forward_order(block_mask, bits, problem, tile_m, tile_n, section)
+    counts = tile_counts(block_mask, problem, tile_m, tile_n).sum(3)  # [B, H, query tiles]
+    check_sorted(order, counts.flatten(0, 1), min(section, 2 * heads))
+    assert forward_order(block_mask, bits, problem, tile_m, tile_n, section) is order
+
+
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k", "heads", "heads_kv", "mask", "causal", "window"),
+                         CASES)  # fmt: skip
+@pytest.mark.parametrize("sms", [2, 132])
+def test_walk_order_sorts_key_tiles_by_their_groups_visible_tiles(
+    seqlen_q, seqlen_k, heads, heads_kv, mask, causal, window, sms
+) -> None:
+    """With a block mask, the backward's items by the visible tiles of their walk: the query
+    tiles of a key tile's column, summed over the group's query heads."""
+    problem = problem_of(seqlen_q, seqlen_k, heads, heads_kv, causal, window)
+    bm, hm, rows = mask
+    n_tiles = -(-seqlen_k // 128)
+    block_mask = random_block_mask((bm, hm, rows, n_tiles), 0.4, "cpu")
+    tile_m, tile_n = 64, 128
+    bits = block_bits(block_mask, problem, tile_m, tile_n, hm)
+    order = walk_order(problem, tile_m, tile_n, 1, sms, "cpu", block_mask, bits)
+    steps = tile_counts(block_mask, problem, tile_m, tile_n).sum(2)  # [B, H, key tiles]
+    steps = steps.unflatten(1, (heads_kv, heads // heads_kv)).sum(2).flatten(0, 1)
+    check_sorted(order, steps, max(1, -(-2 * sms // 1) // n_tiles))
+    assert walk_order(problem, tile_m, tile_n, 1, sms, "cpu", block_mask, bits) is order
+    block_mask[0, 0, 0, 0] = ~block_mask[0, 0, 0, 0]  # in place: a new order
+    bits = block_bits(block_mask, problem, tile_m, tile_n, hm)
+    assert walk_order(problem, tile_m, tile_n, 1, sms, "cpu", block_mask, bits) is not order
+
+
+def _launch(block_mask, causal=False, deterministic=False, backward=False):
+    from dmattn_cute.kernels.bwd_launch import flash_bwd
+    from dmattn_cute.kernels.fwd_launch import flash_fwd
+
+    q, k, v, _, _ = random_inputs(2, 300, 520, 4, 2, 64, torch.bfloat16, "cpu")
+    problem, _, _ = make_problem(q, k, v, None, None, None, causal, 0.0, (-1, -1), deterministic)
+    if not backward:
+        return problem, flash_fwd(problem, q, k, v, None, None, block_mask=block_mask)
+    out, stats = torch.randn_like(q), torch.zeros(2, 4, 2, 300)
+    args = (problem, torch.randn_like(q), q, k, v, None, None, out, stats, False)
+    return problem, flash_bwd(*args, block_mask=block_mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_launch_passes_the_block_masks_order(launches, causal) -> None:
+    """The Hopper forward with a block mask gets its order (memoized with the block mask);
+    without one, none (grid order, or longest_first's under causal limits)."""
+    block_mask = random_block_mask((2, 2, 3, 5), 0.5, "cpu")
+    problem, _ = _launch(block_mask, causal)
+    ((spec, args),) = launches["calls"]
+    assert spec.ordered
+    order = args[9]
+    tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
+    counts = tile_counts(block_mask, problem, tile_m, tile_n).sum(3).flatten(0, 1)
+    check_sorted(order, counts, spec.section_heads(520, 2, 8))
+    _launch(block_mask, causal)
+    assert launches["calls"][-1][1][9] is order
+    _launch(None, causal)
+    spec, args = launches["calls"][-1]
+    assert not spec.ordered and args[9] is None
+
+
+@pytest.mark.parametrize(
+    ("causal", "deterministic"), [(False, False), (True, False), (False, True)]
+)
+def test_backward_launch_passes_the_block_masks_order(launches, causal, deterministic) -> None:
+    block_mask = random_block_mask((2, 2, 3, 5), 0.5, "cpu")
+    _launch(block_mask, causal, deterministic, backward=True)
+    spec, args = launches["calls"][-1]
+    assert spec.ordered == (not deterministic)
+    order = args[15]
+    if deterministic:
+        assert order is None
+        return
+    n_tiles = -(-520 // spec.tile.tile_n)
+    assert sorted(order.tolist()) == list(range(2 * 2 * n_tiles))
+    _launch(block_mask, causal, deterministic, backward=True)
+    assert launches["calls"][-1][1][15] is order
+    _launch(None, causal, deterministic, backward=True)
+    spec, args = launches["calls"][-1]
+    assert spec.ordered == causal and (args[15] is None) == (not causal)
