@@ -2,7 +2,7 @@
 FlashAttention 2/4 and flash-dmattn, all in this process on the same inputs.
 
     python3 -m bench.run --out DIR [--quick] [--suites dense bias sparse decode]
-                         [--modes fwd bwd fwdbwd] [--list]          # on a GPU machine
+                         [--modes fwd bwd fwdbwd] [--graph] [--list]  # on a GPU machine
 
 Modes: fwd times the forward; bwd the backward alone (dq, dk, dv, and dbias where there is a
 bias, from a retained graph); fwdbwd both. Before timing, each peer's output is compared with
@@ -101,6 +101,33 @@ def make_timer():
     return "triton.testing.do_bench(warmup=25, rep=100), median", functools.partial(
         do_bench, warmup=25, rep=100, return_mode="median"
     )
+
+
+# Read before each graph replay (graph_ms): more than L2, left clean (nothing to write back
+# during the timed call, unlike do_bench's zero_ flush).
+FLUSH_BYTES = 256 << 20
+
+
+def graph_ms(fn, reps: int = 60) -> float:
+    """GPU time of one call of fn: captured once in a CUDA graph and replayed `reps` times,
+    each replay after a read of FLUSH_BYTES (a cold L2 with clean lines), timed by CUDA events
+    around the replay alone; the median. No host time is in it: the time of rows whose
+    benchmark time is host-bound (bench.report's †). fn has run before (warm-up, compile)."""
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.sum(dtype=torch.int32)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times)
 
 
 def events_median(fn) -> float:
@@ -236,8 +263,11 @@ def compile_ours(runs: list[tuple[Workload, str]], jobs: int) -> dict:
     return {**counts, "jobs": jobs, "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_workload(w: Workload, mode: str, timer, impls: list[str]) -> list[dict]:
-    """Measurements of `w` in `mode` for each implementation, ours first."""
+def run_workload(
+    w: Workload, mode: str, timer, impls: list[str], graph: bool = False
+) -> list[dict]:
+    """Measurements of `w` in `mode` for each implementation, ours first; with `graph`, also
+    each one's graph_ms (or graph_error where its call cannot be captured)."""
     x = make_inputs(w, "cuda", grad=mode != "fwd")
     flops = FLOP_FACTOR[mode] * w.flops()
     fraction = executed_fraction(w, x, mode)
@@ -286,6 +316,12 @@ def run_workload(w: Workload, mode: str, timer, impls: list[str]) -> list[dict]:
         rec["gpu_state"] = gpu_state()
         rec["host_ms"] = host_ms(fn)
         rec["peak_mib"] = peak_mib(fn)
+        if graph:
+            try:
+                rec["graph_ms"] = graph_ms(fn)
+            except Exception as e:  # noqa: BLE001 -- a call that cannot be captured: reported
+                rec["graph_error"] = error_line(e)
+                torch.cuda.synchronize()
         rec["tflops"] = flops / rec["ms"] * 1e-9
         if fraction is not None and name == OURS:
             rec["executed_tflops"] = fraction * flops / rec["ms"] * 1e-9
@@ -300,8 +336,9 @@ def run_workload(w: Workload, mode: str, timer, impls: list[str]) -> list[dict]:
 
 
 def _progress(rec: dict) -> str:
+    graph = f" (graph {rec['graph_ms']:.3f} ms)" if "graph_ms" in rec else ""
     return (f"{rec['suite']:7s} {rec['mode']:6s} {rec['workload']:45s} {rec['impl']:15s} "
-            f"{rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s")  # fmt: skip
+            f"{rec['ms']:9.3f} ms {rec['tflops']:7.1f} TFLOP/s{graph}")  # fmt: skip
 
 
 def environment(timer_name: str, argv: list[str]) -> dict:
@@ -350,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-jobs", type=int, default=min(16, os.cpu_count() or 1),
                         help="processes that compile our kernels before timing (0: each "
                         "compiles in its first call, as the peers' do)")  # fmt: skip
+    parser.add_argument("--graph", action="store_true",
+                        help="also time each call by CUDA graph replay (graph_ms: GPU time, "
+                        "no host time)")  # fmt: skip
     parser.add_argument("--list", action="store_true", help="list the runs, measure nothing")
     args = parser.parse_args(argv)
     runs = selected(args)
@@ -373,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     for w, mode in runs:
-        records += run_workload(w, mode, timer, impls)
+        records += run_workload(w, mode, timer, impls, args.graph)
         env["wall_s"] = round(time.perf_counter() - start, 1)
         # Written after every workload: a run cut short keeps what it measured.
         (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -213,6 +213,7 @@ def test_report_tables_and_plots(tmp_path: Path) -> None:
             rec["host_ms"] = 0.9 * rec["ms"]
         elif rec["workload"].startswith("S1024"):
             rec["host_ms"] = 0.7 * rec["ms"]
+    records[0]["graph_ms"] = 0.987  # bench.run --graph
     records.append({**_record("dense", "fwd", "fa4", 1.0), "skipped": "not installed"})
     del records[-1]["ms"]
     env = {"gpu": "Test GPU", "date": "2026-11-22 00:00 UTC", "versions": {"torch": "x"},
@@ -223,6 +224,7 @@ def test_report_tables_and_plots(tmp_path: Path) -> None:
     assert report.main([str(path), "--out", str(tmp_path), "--name", "r"]) == 0
     text = (tmp_path / "r.md").read_text()
     assert "## sparse, fwd" in text and "## dense, fwd" in text and "Test GPU" in text
+    assert "| graph ms |" in text and text.count("| 0.987 |") == 1
     assert "- fa4: not installed (S4096 D128 bf16)" in text
     # Summary: one row per workload, ours first, each peer's ms and time over ours.
     assert "### dense, fwd (ms; peers: ms and time / ours)" in text
