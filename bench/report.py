@@ -41,7 +41,7 @@ HOW_TO_READ = """\
 - peak MiB: memory one call allocates beyond its inputs; first call s: compile and warm-up,
   excluded from ms (ours: loading kernels compiled before timing, where the run says so, as
   a user would precompile them; the peers compile in their first call); host ms: CPU time to enqueue one call (a row is host-bound where it nears
-  ms); graph ms (bench.run --graph): the call's GPU time alone, by CUDA graph replay after
+  ms); graph ms (bench.run --graph, ours): the call's GPU time alone, by CUDA graph replay after
   a clean L2 flush (a read, where ms follows do_bench's zero_ of 256 MB, whose dirty lines
   are written back during the call), the time to compare where a row is host-bound.
 - rel err vs ours: ||out - ours|| / ||ours|| of the forward output, checked before timing; a
