@@ -90,16 +90,19 @@ def markdown(results: list[dict]) -> str:
     for res in results:
         for rec in res["records"]:
             groups[rec["suite"], rec["mode"]].append(rec)
+    # the graph column only where a run took graph times (bench.run --graph)
+    graphed = any("graph_ms" in rec for recs in groups.values() for rec in recs)
+    columns = {name: col for name, col in COLUMNS.items() if graphed or col[0] != "graph_ms"}
     for (suite, mode), recs in groups.items():
         lines += [f"### {suite}, {mode}", ""]
-        lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         skipped: dict[tuple[str, str], list[str]] = defaultdict(list)
         for rec in recs:
             if "ms" not in rec:
                 reason = "; ".join(filter(None, [rec.get("skipped"), *rec.get("errors", [])]))
                 skipped[rec["impl"], reason].append(rec["workload"])
                 continue
-            row = [_cell(rec, key, fmt) for key, fmt in COLUMNS.values()]
+            row = [_cell(rec, key, fmt) for key, fmt in columns.values()]
             lines.append("| " + " | ".join(row) + " |")
         if skipped:
             lines += ["", "Not timed:", ""]
