@@ -25,12 +25,14 @@ from pathlib import Path
 
 import torch
 
+from dmattn_cute.block_mask import BLOCK, expand_block_mask
 from dmattn_cute.decode import chunk_operands, decode_splits
 from dmattn_cute.jit import cache
 from dmattn_cute.jit.arch import SUPPORTED_ARCHS, hopper_kernels
 from dmattn_cute.kernels.bwd import BwdSpec
 from dmattn_cute.kernels.bwd_launch import (
     backward_bits_spec_of,
+    backward_operands,
     backward_spec_of,
     preprocess_spec,
     sm_count,
@@ -49,7 +51,8 @@ BATCH, SEQLEN = 2, 1024
 
 # mask / bias layouts: "kv" [B, Hkv, Sq, Sk], "full" [B, H, Sq, Sk], "key" bias [B, Hkv, Sk]
 # (one value per key, shared by all queries, as DynamicMaskAttention builds it), "expiry"
-# key_expiry [B, Hkv, Sk] int32 (top-w rows, dmattn_cute/topw.py).
+# key_expiry [B, Hkv, Sk] int32 (top-w rows, dmattn_cute/topw.py), "blocks" block_mask [B,
+# Hkv, Sq / BLOCK, Sk / BLOCK] (as create_block_mask builds it from a per-key bias).
 OPERANDS = {
     "dense": (None, None),
     "mask": ("kv", None),
@@ -58,6 +61,7 @@ OPERANDS = {
     "full-bias": (None, "full"),
     "full-mask+full-bias": ("full", "full"),
     "expiry+key-bias": ("expiry", "key"),
+    "block-mask+key-bias": ("blocks", "key"),
 }
 # Heads (H, Hkv): with a per-kv-head bias, MHA writes dbias directly and GQA sums into it.
 HEADS = ((8, 8), (8, 2))
@@ -76,18 +80,21 @@ class CallPattern:
     deterministic: bool = False
 
     def inputs(self, device: str | torch.device = "meta", seqlen: int = SEQLEN):
-        """q, k, v, attn_mask, attn_bias (random unless on the meta device)."""
+        """q, k, v, attn_mask (a block mask where its kind is "blocks"), attn_bias (random
+        unless on the meta device)."""
         dtype, (heads, heads_kv) = DTYPES[self.dtype], self.heads
         mask_kind, bias_kind = OPERANDS[self.operands]
         meta = torch.device(device).type == "meta"
         make = torch.empty if meta else torch.randn
 
         def make_layout(kind: str, dtype: torch.dtype) -> torch.Tensor:
+            blocks = -(-seqlen // BLOCK)
             shape = {
                 "kv": (BATCH, heads_kv, seqlen, seqlen),
                 "full": (BATCH, heads, seqlen, seqlen),
                 "key": (BATCH, heads_kv, seqlen),
                 "expiry": (BATCH, heads_kv, seqlen),
+                "blocks": (BATCH, heads_kv, blocks, blocks),
             }[kind]
             if kind == "expiry":
                 return (
@@ -218,7 +225,10 @@ def kernel_specs(
     if isinstance(pattern, DecodePattern):
         return pattern.kernels(arch, device)
     q, k, v, mask, bias = pattern.inputs(device)
-    kernels = planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
+    if OPERANDS[pattern.operands][0] == "blocks":
+        kernels = planned_kernels(arch, q, k, v, None, bias, block_mask=mask, **pattern.options())
+    else:
+        kernels = planned_kernels(arch, q, k, v, mask, bias, **pattern.options())
     for kind, spec in list(kernels):
         backward = isinstance(spec, (BwdSpec, Sm90BwdSpec))
         if backward and spec.can_split_heads and q.shape[2] > k.shape[2]:
@@ -229,14 +239,26 @@ def kernel_specs(
 
 def planned_kernels(
     arch: str, q, k, v, mask, bias, is_causal=False, softcap=0.0, deterministic=False,
-    backward=True, eager=False,
+    backward=True, eager=False, block_mask=None,
 ) -> list[tuple[str, object]]:  # fmt: skip
     """(kind, spec) of every kernel a flash_dmattn_func call on these tensors runs on `arch`
     (its backward too, if `backward`), planned by the launches' own code. An int32 `mask` is
     a key_expiry: the Hopper kernels' mask operand, an element mask elsewhere. With `eager`,
     those of the eager path alone, whose forward and backward may share one block-bits
     pre-pass (kernels/paired_bits.py) in place of their own; otherwise also those of the
-    torch ops' path, where each kernel runs its own."""
+    torch ops' path, where each kernel runs its own. A `block_mask` is read as bits where
+    the eager path does so; the torch ops' path runs on its element mask."""
+    options = {"is_causal": is_causal, "softcap": softcap, "deterministic": deterministic}
+    if block_mask is not None:
+        kernels = _block_mask_kernels(arch, q, k, v, mask, bias, block_mask, backward, options)
+        if eager:
+            return kernels
+        element = expand_block_mask(block_mask, q.shape[1], k.shape[1])
+        if mask is not None:
+            element = element & (mask if mask.dim() == 4 else mask.unsqueeze(2))
+        return kernels + planned_kernels(
+            arch, q, k, v, element, bias, backward=backward, **options
+        )  # fmt: skip
     expiry = mask is not None and mask.dtype in (torch.int32, torch.int64)
     problem, mask4, bias4 = make_problem(
         q, k, v, None if expiry else mask, bias, None, is_causal, softcap, (-1, -1),
@@ -263,6 +285,32 @@ def planned_kernels(
             kernels.append(("bits", bwd_bits))
     if paired is not None:
         kernels.append(("bits", paired))
+    return kernels
+
+
+def _block_mask_kernels(
+    arch: str, q, k, v, mask, bias, block_mask, backward: bool, options: dict
+) -> list[tuple[str, object]]:
+    """planned_kernels of the eager path with a block mask (no paired pre-pass; a pre-pass
+    only for an attn_mask next to bits)."""
+    problem, mask4, bias4 = make_problem(
+        q, k, v, mask, bias, None, options["is_causal"], options["softcap"], (-1, -1),
+        options["deterministic"],
+    )  # fmt: skip
+    kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch, block_mask))]
+    bits = bits_spec_of(problem, mask4, bias4, arch, block_mask)
+    if bits is not None:
+        kernels.append(("bits", bits))
+    if backward:
+        grad = bias is not None
+        bwd = backward_spec_of(problem, mask4, bias4, grad, arch, q.device, block_mask)
+        kernels += [("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)), ("bwd", bwd)]
+        _, blocks, mask_given = backward_operands(
+            problem, mask4, block_mask, bias4, grad, arch, q.device
+        )
+        bwd_bits = backward_bits_spec_of(bwd, scans_mask=blocks is None or mask_given)
+        if bwd_bits is not None:
+            kernels.append(("bits", bwd_bits))
     return kernels
 
 

@@ -160,7 +160,7 @@ def test_default_variants_cover_every_pattern_and_kernel() -> None:
     for dtype in ("bf16", "fp16"):
         for head_dim in precompile.DEFAULT_HEAD_DIMS:
             for operands in precompile.OPERANDS:
-                if operands != "expiry+key-bias":  # below
+                if operands not in ("expiry+key-bias", "block-mask+key-bias"):  # below
                     assert any(f"{dtype} d{head_dim} {operands} " in label for label in labels)
     specs = [spec for _, spec in precompile.variants("sm_89", patterns)]
     assert len(specs) == len(set(specs))
@@ -169,6 +169,35 @@ def test_default_variants_cover_every_pattern_and_kernel() -> None:
     assert {spec for _, spec in precompile.variants("sm_89", expiry)} <= set(specs)
     hopper = precompile.variants("sm_90a", expiry)
     assert hopper and all(spec.mask.dtype == "i32" for _, spec in hopper if hasattr(spec, "mask"))
+    # A block mask is an element mask off Hopper too; on sm_90a its bits and launch order.
+    blocks = [p for p in patterns if p.operands == "block-mask+key-bias"]
+    assert {spec for _, spec in precompile.variants("sm_89", blocks)} <= set(specs)
+    kernels = [spec for _, spec in precompile.variants("sm_90a", blocks)]
+    assert any(isinstance(spec, Sm90FwdSpec) and spec.ordered for spec in kernels)
+    assert any(isinstance(spec, Sm90BwdSpec) and spec.ordered for spec in kernels)
+
+
+def test_block_mask_calls_launch_listed_variants(launches, monkeypatch) -> None:
+    """An eager forward + backward of each block-mask pattern, run as on the GPU (the eager
+    CUDA path on CPU tensors, launches recorded), compiles only variants precompile lists:
+    on sm_90a the kernels that read the block mask as bits in its launch order."""
+    from dmattn_cute import attention, flash_dmattn_func
+
+    monkeypatch.setattr(attention, "eager_cuda", lambda q: True)
+    patterns = [p for p in precompile.call_patterns(["bf16"], [128])
+                if p.operands == "block-mask+key-bias"]  # fmt: skip
+    for pattern in patterns:
+        q, k, v, block_mask, bias = (
+            t.requires_grad_(t.is_floating_point()) for t in pattern.inputs("cpu")
+        )
+        launches["compiled"].clear()
+        out = flash_dmattn_func(q, k, v, attn_bias=bias.unsqueeze(2), block_mask=block_mask,
+                                **pattern.options())  # fmt: skip
+        out.sum().backward()
+        compiled = set(launches["compiled"])
+        listed = {spec for _, spec in precompile.variants("sm_90a", [pattern])}
+        assert compiled and compiled <= listed, str(pattern)
+        assert all(spec.ordered for spec in compiled if hasattr(spec, "ordered"))
 
 
 def test_list_and_bad_arguments(tmp_path: Path, capsys) -> None:

@@ -11,6 +11,8 @@ one head divisor indexes both. Everything else runs on the element mask (with_bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..block_mask import BLOCK, with_block_mask
@@ -22,6 +24,25 @@ from .masking import FULL, VISIBLE
 def tiles_nest(tile_m: int, tile_n: int) -> bool:
     """Whether every (tile_m, tile_n) tile lies in one block."""
     return BLOCK % tile_m == 0 and BLOCK % tile_n == 0
+
+
+def read_as_bits(
+    problem: Problem,
+    mask: torch.Tensor | None,
+    block_mask: torch.Tensor,
+    tile_of: Callable[[torch.Tensor], tuple[int, int] | None],
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """How a kernel reads a block mask next to attn_mask `mask` (a 4-D view or None): (the 4-D
+    mask view it reads, the block mask where it reads that as its bits, whether attn_mask is
+    ANDed into them). tile_of(view): the (tile_m, tile_n) of the Hopper variant that would
+    run on a mask view, or None for one that reads no bits; where the joint mask has no such
+    variant or its tiles straddle blocks, the view is the element mask and no block mask is
+    read (None, False)."""
+    joint = joint_mask(mask, block_mask, problem)
+    tile = None if joint is None else tile_of(joint)
+    if tile is not None and tiles_nest(*tile):
+        return joint, block_mask, mask is not None
+    return element_mask(mask, block_mask, problem), None, False
 
 
 def joint_mask(
@@ -102,4 +123,4 @@ def element_mask(
     )
 
 
-__all__ = ["block_bits", "element_mask", "joint_mask", "tiles_nest"]
+__all__ = ["block_bits", "element_mask", "joint_mask", "read_as_bits", "tiles_nest"]

@@ -26,7 +26,7 @@ from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
 from . import expiry_launch
 from .block_bits import BlockBitsSpec
 from .block_bits_launch import kernel_bits_view, mask_block_bits
-from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
+from .block_mask_launch import block_bits, read_as_bits
 from .bwd import BwdScalars, BwdSpec, DbiasSpec
 from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
 from .launch import (
@@ -239,23 +239,35 @@ def backward_spec_of(
     bias_grad: bool,
     arch: str,
     device: torch.device | None = None,
+    block_mask: torch.Tensor | None = None,
 ) -> BwdSpec | Sm90BwdSpec:
-    """The backward variant a call runs on `device` (mask/bias: normalized 4-D views; tensors
-    may be on the meta device, e.g. to list variants for an offline compile, and without a
-    CUDA device the plan assumes `arch`'s largest GPU)."""
+    """The backward variant a call runs on `device` (mask/bias: normalized 4-D views,
+    block_mask as flash_bwd takes it; tensors may be on the meta device, e.g. to list
+    variants for an offline compile, and without a CUDA device the plan assumes `arch`'s
+    largest GPU)."""
+    device = device or torch.device("meta")
+    mask, blocks, _ = backward_operands(problem, mask, block_mask, bias, bias_grad, arch, device)
     mask_k, bias_k = operand_view(mask), operand_view(bias)
     # Planning only needs the buffer's strides: allocated on the meta device.
     split = query_splits(problem, mask is not None, arch) > 1
     kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta", split)
     dbias_view = broadcast_view(dbias_buf)
-    sms = sm_count(device or torch.device("meta"), arch)
-    return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms)
+    sms = sm_count(device, arch)
+    return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms, blocks is not None)
 
 
-def backward_bits_spec_of(spec: BwdSpec | Sm90BwdSpec) -> BlockBitsSpec | None:
+def backward_bits_spec_of(
+    spec: BwdSpec | Sm90BwdSpec, scans_mask: bool = True
+) -> BlockBitsSpec | None:
     """The block-bits pre-pass a backward variant runs first (the Hopper kernel with a mask,
-    for its own tiles), or None (an expiry's bits need no pre-pass)."""
-    if not isinstance(spec, Sm90BwdSpec) or spec.mask is None or spec.mask.dtype in ("i32", "i64"):
+    for its own tiles), or None (an expiry's bits need no pre-pass; nor does a block mask
+    read as bits without an attn_mask: scans_mask False, backward_operands)."""
+    if (
+        not isinstance(spec, Sm90BwdSpec)
+        or spec.mask is None
+        or spec.mask.dtype in ("i32", "i64")
+        or not scans_mask
+    ):
         return None
     return BlockBitsSpec(spec.mask, spec.tile.tile_m, spec.tile.tile_n)
 
@@ -404,6 +416,22 @@ def _variant(problem, mask, bias, bias_grad: bool, arch: str, device) -> BwdSpec
     )
 
 
+def backward_operands(
+    problem: Problem, mask, block_mask, bias, bias_grad: bool, arch: str, device
+) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """(the mask view the backward reads, the block mask where it reads that as bits,
+    whether attn_mask `mask` is ANDed into them): block_mask_launch.read_as_bits with a block
+    mask, else (mask, None, False). mask/bias: 4-D views."""
+    if block_mask is None:
+        return mask, None, False
+
+    def tile_of(view):
+        spec = _variant(problem, view, bias, bias_grad, arch, device)
+        return (spec.tile.tile_m, spec.tile.tile_n) if isinstance(spec, Sm90BwdSpec) else None
+
+    return read_as_bits(problem, mask, block_mask, tile_of)
+
+
 def _zeroed_fp32(shapes: list[torch.Size], device) -> list[torch.Tensor]:
     """Zeroed contiguous fp32 tensors of these shapes, carved in order from one allocation."""
     sizes = [math.prod(shape) for shape in shapes]
@@ -460,15 +488,10 @@ def flash_bwd(
             expiry = mask = view
         else:
             mask = expiry_launch.element_mask(mask, key_expiry, problem)
-    blocks = None  # the block mask, where the kernel reads it as bits
-    if block_mask is not None:
-        joint = joint_mask(mask, block_mask, problem)
-        if joint is not None:
-            spec = _variant(problem, joint, bias, bias_grad, arch, q.device)
-            if isinstance(spec, Sm90BwdSpec) and tiles_nest(spec.tile.tile_m, spec.tile.tile_n):
-                blocks, mask_given, mask = block_mask, mask is not None, joint
-        if blocks is None:
-            mask = element_mask(mask, block_mask, problem)
+    # blocks: the block mask, where the kernel reads it as bits
+    mask, blocks, mask_given = backward_operands(
+        problem, mask, block_mask, bias, bias_grad, arch, q.device
+    )
     mask_k = operand_view(mask)
     plan = plan_of(mask_k, blocks is not None)
     spec = plan.spec
@@ -563,6 +586,7 @@ def flash_bwd(
 
 __all__ = [
     "backward_bits_spec_of",
+    "backward_operands",
     "backward_spec_of",
     "bwd_preprocess",
     "bwd_spec",

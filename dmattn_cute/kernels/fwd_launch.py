@@ -19,7 +19,7 @@ from ..problem import Problem, broadcast_view
 from . import expiry_launch
 from .block_bits import BlockBitsSpec
 from .block_bits_launch import block_bits_shape, block_bits_spec, kernel_bits_view
-from .block_mask_launch import block_bits, element_mask, joint_mask, tiles_nest
+from .block_mask_launch import block_bits, read_as_bits
 from .config import SHORT_QUERY_ROWS
 from .fwd import FwdScalars, FwdSpec
 from .launch import (
@@ -36,11 +36,18 @@ from .spec import OperandSpec
 
 
 def forward_spec_of(
-    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    arch: str,
+    block_mask: torch.Tensor | None = None,
 ) -> FwdSpec:
-    """The forward variant a call runs (mask/bias: normalized 4-D views; tensors may be on the
-    meta device, e.g. to list variants for an offline compile)."""
-    return fwd_spec(problem, operand_view(mask), operand_view(bias), arch)
+    """The forward variant a call runs (mask/bias: normalized 4-D views, block_mask as
+    flash_fwd takes it; tensors may be on the meta device, e.g. to list variants for an
+    offline compile)."""
+    bias = operand_view(bias)
+    view, blocks, _ = forward_operands(problem, mask, block_mask, bias, arch)
+    return fwd_spec(problem, operand_view(view), bias, arch, blocks is not None)
 
 
 def forward_family(arch: str) -> type[FwdSpec | Sm90FwdSpec]:
@@ -51,12 +58,18 @@ def forward_family(arch: str) -> type[FwdSpec | Sm90FwdSpec]:
 
 
 def fwd_spec(
-    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    arch: str,
+    block_mask: bool = False,
 ) -> FwdSpec | Sm90FwdSpec:
-    """The forward variant for a problem (mask/bias: kernel views from launch.operand_view):
-    the warp-specialized wgmma kernel on sm_90a, the mma.sync kernel elsewhere."""
+    """The forward variant for a problem (mask/bias: kernel views from launch.operand_view;
+    block_mask: the mask's bits are a block mask's): the warp-specialized wgmma kernel on
+    sm_90a, the mma.sync kernel elsewhere."""
     seqlen_k = problem.seqlen_k
-    return _build(problem, operand_spec(mask, seqlen_k), operand_spec(bias, seqlen_k), arch)
+    mask_spec, bias_spec = operand_spec(mask, seqlen_k), operand_spec(bias, seqlen_k)
+    return _build(problem, mask_spec, bias_spec, arch, block_mask)
 
 
 def _build(
@@ -81,26 +94,34 @@ def _build(
 
 
 def bits_spec_of(
-    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    arch: str,
+    block_mask: torch.Tensor | None = None,
 ) -> BlockBitsSpec | None:
-    """The block-bits pre-pass a forward call runs first (the Hopper kernel with a mask), or
-    None (mask/bias: normalized 4-D views, as forward_spec_of takes them; an integer mask is
-    an expiry or key ranges, whose bits need no pre-pass)."""
-    spec = forward_spec_of(problem, mask, bias, arch)
+    """The block-bits pre-pass a forward call runs first (the Hopper kernel with a mask to
+    scan), or None (arguments as forward_spec_of takes them; an integer mask is an expiry or
+    key ranges, a block mask alone is read as bits: neither needs a pre-pass)."""
+    bias = operand_view(bias)
+    view, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
+    spec = fwd_spec(problem, operand_view(view), bias, arch, blocks is not None)
     if (
         not isinstance(spec, Sm90FwdSpec)
-        or mask is None
-        or mask.dtype in expiry_launch.EXPIRY_DTYPES
+        or view is None
+        or view.dtype in expiry_launch.EXPIRY_DTYPES
+        or (blocks is not None and not mask_given)
     ):
         return None
-    return block_bits_spec(operand_view(mask), problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
+    return block_bits_spec(operand_view(view), problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
 
 
 class _FwdPlan(NamedTuple):
     """What one forward call launches, shared by every call with the same problem, arch and
     mask/bias layouts: the variant's kernel and scalars and, for the Hopper kernel with a
-    mask, the block-bits pre-pass's kernel, the bits' shape and the strides of their view
-    indexed like the mask (stride 0 on its broadcast batch and head dims)."""
+    mask, the block-bits pre-pass's kernel (None for a block mask alone, whose bits need no
+    pre-pass), the bits' shape and the strides of their view indexed like the mask (stride 0
+    on its broadcast batch and head dims)."""
 
     spec: FwdSpec | Sm90FwdSpec
     kernel: Any
@@ -124,6 +145,7 @@ def _plan(
     arch: str,
     key_chunks: int,
     block_mask: bool,
+    scans: bool,
 ) -> _FwdPlan:
     mask_spec = operand_spec(mask, problem.seqlen_k)
     spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch, block_mask)
@@ -145,22 +167,30 @@ def _plan(
     view = kernel_bits_view(
         torch.empty(shape, dtype=torch.uint8, device="meta"), -(-problem.seqlen_q // tile_m)
     )
-    return _FwdPlan(
-        spec, compiled(spec, arch), scalars, compiled(bits_spec, arch), shape, view.shape,
-        view.stride(),
-    )  # fmt: skip
+    kernel = compiled(spec, arch)
+    bits_kernel = compiled(bits_spec, arch) if scans else None
+    return _FwdPlan(spec, kernel, scalars, bits_kernel, shape, view.shape, view.stride())
 
 
 def _plan_of(
-    problem: Problem, mask, bias, arch: str, key_chunks: int = 1, block_mask: bool = False
+    problem: Problem,
+    mask,
+    bias,
+    arch: str,
+    key_chunks: int = 1,
+    block_mask: bool = False,
+    scans: bool = True,
 ) -> _FwdPlan:
+    """The plan of a call; block_mask: the mask's bits are a block mask's; scans: a pre-pass
+    scans the mask (not for a block mask alone)."""
     key = (
         problem, arch, hopper_kernels(arch), kernel_layout(mask), kernel_layout(bias), key_chunks,
-        block_mask,
+        block_mask, scans,
     )  # fmt: skip
     return remember(
-        _PLANS, key, lambda: _plan(problem, mask, bias, arch, key_chunks, block_mask), _PLANS_MAX
-    )
+        _PLANS, key, lambda: _plan(problem, mask, bias, arch, key_chunks, block_mask, scans),
+        _PLANS_MAX,
+    )  # fmt: skip
 
 
 def key_chunks_refusal(problem: Problem, mask, bias, key_chunks: int) -> str | None:
@@ -189,6 +219,22 @@ def _variant(problem: Problem, mask: torch.Tensor, bias, arch: str) -> FwdSpec |
     view = operand_view(mask)
     key = (problem, arch, hopper_kernels(arch), kernel_layout(view), kernel_layout(bias))
     return remember(_VARIANTS, key, lambda: fwd_spec(problem, view, bias, arch))
+
+
+def forward_operands(
+    problem: Problem, mask, block_mask, bias, arch: str
+) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """(the mask view the forward reads, the block mask where it reads that as bits, whether
+    attn_mask `mask` is ANDed into them): block_mask_launch.read_as_bits with a block mask,
+    else (mask, None, False). mask/bias: 4-D views."""
+    if block_mask is None:
+        return mask, None, False
+
+    def tile_of(view):
+        spec = _variant(problem, view, bias, arch)  # nothing compiled
+        return (spec.tile.tile_m, spec.tile.tile_n) if isinstance(spec, Sm90FwdSpec) else None
+
+    return read_as_bits(problem, mask, block_mask, tile_of)
 
 
 def flash_fwd(
@@ -245,15 +291,8 @@ def flash_fwd(
             expiry = mask = view
         else:
             mask = expiry_launch.element_mask(mask, key_expiry, problem)
-    blocks = None  # the block mask, where the kernel reads it as bits
-    if block_mask is not None:
-        joint = joint_mask(mask, block_mask, problem) if hopper_kernels(arch) else None
-        if joint is not None:
-            tile = _variant(problem, joint, bias, arch).tile  # nothing compiled
-            if tiles_nest(tile.tile_m, tile.tile_n):
-                blocks, mask_given, mask = block_mask, mask is not None, joint
-        if blocks is None:
-            mask = element_mask(mask, block_mask, problem)
+    # blocks: the block mask, where the kernel reads it as bits
+    mask, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
     mask = operand_view(mask)
     if out is None:
         out = torch.empty((problem.batch, *q.shape[1:]), dtype=q.dtype, device=q.device)
@@ -266,16 +305,17 @@ def flash_fwd(
             problem.batch, problem.num_heads, 2, problem.seqlen_q, dtype=torch.float32,
             device=q.device,
         )  # fmt: skip
-    plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None)
+    scans = blocks is None or mask_given  # (a block mask alone needs no pre-pass)
+    plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None, scans)
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)
         plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, None, *plan.scalars)
-    elif plan.bits_kernel is not None:
+    elif plan.bits_shape is not None:
         if bits is not None:
             if blocks is not None or tuple(bits.shape) != plan.bits_shape:
                 raise ValueError(f"bits: expected {plan.bits_shape}, got {tuple(bits.shape)}")
-        elif blocks is None or mask_given:
+        elif scans:
             bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
             plan.bits_kernel(mask, bits, None, problem.seqlen_q, problem.seqlen_k)
         order = None
@@ -305,6 +345,7 @@ __all__ = [
     "bits_spec_of",
     "flash_fwd",
     "forward_family",
+    "forward_operands",
     "forward_spec_of",
     "fwd_spec",
     "key_chunks_refusal",
