@@ -10,7 +10,8 @@ import torch
 
 from dmattn_cute import flash_dmattn_func, precompile
 from dmattn_cute.jit import cache, target_arch
-from tests.utils import expiry_grads_and_check, grads_and_check
+from tests.test_block_mask import element_mask
+from tests.utils import compact_mask_grads_and_check, expiry_grads_and_check, grads_and_check
 
 pytestmark = pytest.mark.gpu
 
@@ -29,6 +30,15 @@ def precompile_without_gpu(arch: str, cache_dir: Path, *args: str) -> str:
     return result.stdout.strip()
 
 
+def planned(arch: str, pattern, backward: bool) -> list:
+    """precompile.planned_kernels of the eager path for a pattern's call at S = 256."""
+    q, k, v, mask, bias = pattern.inputs("cuda", seqlen=256)
+    options = {**pattern.options(), "backward": backward, "eager": True}
+    if precompile.OPERANDS[pattern.operands][0] == "blocks":
+        return precompile.planned_kernels(arch, q, k, v, None, bias, block_mask=mask, **options)
+    return precompile.planned_kernels(arch, q, k, v, mask, bias, **options)
+
+
 def test_precompiled_kernels_load_with_zero_compiles(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
@@ -41,7 +51,13 @@ def test_precompiled_kernels_load_with_zero_compiles(
     patterns = precompile.call_patterns(["bf16"], [64])
     for pattern in patterns:
         q, k, v, mask, bias = pattern.inputs("cuda", seqlen=256)
-        if mask is not None and mask.dtype == torch.int32:
+        if precompile.OPERANDS[pattern.operands][0] == "blocks":
+            # precompile's "blocks" operand: a block mask
+            dense = element_mask(mask, 256, 256)
+            compact_mask_grads_and_check(q, k, v, None, bias, dense, {"block_mask": mask},
+                                         **pattern.options())  # fmt: skip
+            out = flash_dmattn_func(q, k, v, None, bias, block_mask=mask, **pattern.options())
+        elif mask is not None and mask.dtype == torch.int32:
             # precompile's "expiry" operand: top-w expiry rows, passed as key_expiry
             expiry_grads_and_check(q, k, v, None, bias, mask, **pattern.options())
             out = flash_dmattn_func(q, k, v, None, bias, key_expiry=mask, **pattern.options())
@@ -56,11 +72,8 @@ def test_precompiled_kernels_load_with_zero_compiles(
         spec
         for pattern in patterns
         for backward in (True, False)
-        for _, spec in precompile.planned_kernels(
-            arch, *pattern.inputs("cuda", seqlen=256), **pattern.options(), backward=backward,
-            eager=True,
-        )
-    }  # fmt: skip
+        for _, spec in planned(arch, pattern, backward)
+    }
     with capsys.disabled():
         print(
             f"\n{torch.cuda.get_device_name()} ({arch}): {stdout}\n"

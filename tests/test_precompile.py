@@ -191,7 +191,7 @@ def test_block_mask_calls_launch_listed_variants(launches, monkeypatch) -> None:
             t.requires_grad_(t.is_floating_point()) for t in pattern.inputs("cpu")
         )
         launches["compiled"].clear()
-        out = flash_dmattn_func(q, k, v, attn_bias=bias.unsqueeze(2), block_mask=block_mask,
+        out = flash_dmattn_func(q, k, v, attn_bias=bias, block_mask=block_mask,
                                 **pattern.options())  # fmt: skip
         out.sum().backward()
         compiled = set(launches["compiled"])
