@@ -248,17 +248,6 @@ def planned_kernels(
     pre-pass (kernels/paired_bits.py) in place of their own; otherwise also those of the
     torch ops' path, where each kernel runs its own. A `block_mask` is read as bits where
     the eager path does so; the torch ops' path runs on its element mask."""
-    options = {"is_causal": is_causal, "softcap": softcap, "deterministic": deterministic}
-    if block_mask is not None:
-        kernels = _block_mask_kernels(arch, q, k, v, mask, bias, block_mask, backward, options)
-        if eager:
-            return kernels
-        element = expand_block_mask(block_mask, q.shape[1], k.shape[1])
-        if mask is not None:
-            element = element & (mask if mask.dim() == 4 else mask.unsqueeze(2))
-        return kernels + planned_kernels(
-            arch, q, k, v, element, bias, backward=backward, **options
-        )  # fmt: skip
     expiry = mask is not None and mask.dtype in (torch.int32, torch.int64)
     problem, mask4, bias4 = make_problem(
         q, k, v, None if expiry else mask, bias, None, is_causal, softcap, (-1, -1),
@@ -269,37 +258,14 @@ def planned_kernels(
         if not hopper_kernels(arch):  # the element mask it becomes: [Be, He, Sq, Sk]
             rows = (*mask.shape[:2], problem.seqlen_q, problem.seqlen_k)
             mask4 = broadcast_view(torch.empty(rows, dtype=torch.bool, device=mask.device))
+    # the eager path pairs the two kernels' pre-passes only without a block mask
     paired = None
-    if backward and mask4 is not None and not expiry:
+    if backward and mask4 is not None and not expiry and block_mask is None:
         paired = paired_bits_spec(problem, mask4, bias4, bias is not None, arch, q.device)
     own_bits = not (eager and paired is not None)
-    kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch))]
-    bits = bits_spec_of(problem, mask4, bias4, arch)
-    if bits is not None and own_bits:
-        kernels.append(("bits", bits))
-    if backward:
-        bwd = backward_spec_of(problem, mask4, bias4, bias is not None, arch, q.device)
-        kernels += [("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)), ("bwd", bwd)]
-        bwd_bits = backward_bits_spec_of(bwd)
-        if bwd_bits is not None and own_bits:
-            kernels.append(("bits", bwd_bits))
-    if paired is not None:
-        kernels.append(("bits", paired))
-    return kernels
-
-
-def _block_mask_kernels(
-    arch: str, q, k, v, mask, bias, block_mask, backward: bool, options: dict
-) -> list[tuple[str, object]]:
-    """planned_kernels of the eager path with a block mask (no paired pre-pass; a pre-pass
-    only for an attn_mask next to bits)."""
-    problem, mask4, bias4 = make_problem(
-        q, k, v, mask, bias, None, options["is_causal"], options["softcap"], (-1, -1),
-        options["deterministic"],
-    )  # fmt: skip
     kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch, block_mask))]
     bits = bits_spec_of(problem, mask4, bias4, arch, block_mask)
-    if bits is not None:
+    if bits is not None and own_bits:
         kernels.append(("bits", bits))
     if backward:
         grad = bias is not None
@@ -309,8 +275,16 @@ def _block_mask_kernels(
             problem, mask4, block_mask, bias4, grad, arch, q.device
         )
         bwd_bits = backward_bits_spec_of(bwd, scans_mask=blocks is None or mask_given)
-        if bwd_bits is not None:
+        if bwd_bits is not None and own_bits:
             kernels.append(("bits", bwd_bits))
+    if paired is not None:
+        kernels.append(("bits", paired))
+    if block_mask is not None and not eager:  # the ops' path: the element mask
+        element = expand_block_mask(block_mask, q.shape[1], k.shape[1])
+        if mask is not None:
+            element = element & (mask if mask.dim() == 4 else mask.unsqueeze(2))
+        options = {"is_causal": is_causal, "softcap": softcap, "deterministic": deterministic}
+        kernels += planned_kernels(arch, q, k, v, element, bias, backward=backward, **options)
     return kernels
 
 

@@ -15,7 +15,7 @@ from dmattn_cute.kernels.block_mask_launch import block_bits, joint_mask
 from dmattn_cute.kernels.masking import FULL, VISIBLE
 from dmattn_cute.problem import Problem, broadcast_view
 from dmattn_cute.reference import visible_mask
-from tests.utils import compact_mask_grads_and_check, random_inputs
+from tests.utils import compact_mask_grads_and_check, launch_block_mask, random_inputs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -217,26 +217,12 @@ def test_joint_mask_widens_by_stride_0_or_declines() -> None:
     assert joint_mask(per_kv_head, block_mask[:, :2], problem).shape == (2, 2, 300, 520)
 
 
-def _launch(head_dim, mask, block_mask, backward=False):
-    from dmattn_cute.kernels.bwd_launch import flash_bwd
-    from dmattn_cute.kernels.fwd_launch import flash_fwd
-    from dmattn_cute.problem import make_problem
-
-    q, k, v, _, _ = random_inputs(2, 300, 520, 4, 2, head_dim, torch.bfloat16, "cpu")
-    problem, mask4, _ = make_problem(q, k, v, mask, None, None, False, 0.0, (-1, -1), False)
-    if not backward:
-        return problem, flash_fwd(problem, q, k, v, mask4, None, block_mask=block_mask)
-    out, stats = torch.randn_like(q), torch.zeros(2, 4, 2, 300)
-    args = (problem, torch.randn_like(q), q, k, v, mask4, None, out, stats, False)
-    return problem, flash_bwd(*args, block_mask=block_mask)
-
-
 def test_forward_reads_the_block_mask_as_bits(launches) -> None:
     from dmattn_cute.kernels.block_bits_launch import kernel_bits_view
     from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 
     block_mask = random_block_mask((2, 4, 3, 5), 0.5, "cpu")
-    problem, _ = _launch(64, None, block_mask)
+    problem, _ = launch_block_mask(64, None, block_mask)
     ((spec, args),) = launches["calls"]  # no pre-pass: there is no attn_mask to read
     assert isinstance(spec, Sm90FwdSpec)
     mask, bits = args[6], args[8]
@@ -250,7 +236,7 @@ def test_wide_key_tiles_run_on_the_element_mask(launches) -> None:
     """D256's forward with the key mask a block mask pairs with has 80-key tiles, which
     straddle blocks: the block mask is expanded into an element mask instead."""
     block_mask = random_block_mask((2, 4, 3, 5), 0.5, "cpu")
-    _launch(256, None, block_mask)
+    launch_block_mask(256, None, block_mask)
     (_, pre_args), (_, args) = launches["calls"]  # the pre-pass of the element mask, the forward
     assert args[6].shape == (2, 4, 300, 520)
     assert torch.equal(args[6].bool(), element_mask(block_mask, 300, 520))
@@ -262,7 +248,7 @@ def test_backward_ands_the_mask_bits_with_the_block_bits(launches) -> None:
 
     mask = torch.rand(1, 1, 300, 520) < 0.5
     block_mask = random_block_mask((2, 1, 3, 5), 0.5, "cpu")
-    _launch(128, mask, block_mask, backward=True)
+    launch_block_mask(128, mask, block_mask, backward=True)
     _, bits_pass, (spec, args) = launches["calls"]  # preprocess, the mask's pre-pass, the backward
     assert isinstance(spec, Sm90BwdSpec)
     joint = args[12]
@@ -310,6 +296,6 @@ def test_the_bits_decision_is_made_once_per_layout(launches, monkeypatch) -> Non
         monkeypatch.setattr(module, "_VARIANTS", {})
     block_mask = random_block_mask((2, 4, 3, 5), 0.5, "cpu")
     for _ in range(3):
-        _launch(64, None, block_mask)
-        _launch(64, None, block_mask, backward=True)
+        launch_block_mask(64, None, block_mask)
+        launch_block_mask(64, None, block_mask, backward=True)
     assert built.count("fwd_spec") == 1 and built.count("backward_spec_of") == 1

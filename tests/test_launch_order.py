@@ -13,7 +13,7 @@ from dmattn_cute.kernels.launch_order import forward_order, sorted_items, walk_o
 from dmattn_cute.problem import Problem, make_problem
 from dmattn_cute.reference import visible_mask
 from tests.test_block_mask import element_mask, random_block_mask
-from tests.utils import random_inputs
+from tests.utils import launch_block_mask, random_inputs
 
 
 def check_sorted(order: torch.Tensor, work: torch.Tensor, per_section: int) -> None:
@@ -109,34 +109,21 @@ def test_walk_order_sorts_key_tiles_by_their_groups_visible_tiles(
     assert walk_order(problem, tile_m, tile_n, 1, sms, "cpu", block_mask, bits) is not order
 
 
-def _launch(block_mask, causal=False, deterministic=False, backward=False):
-    from dmattn_cute.kernels.bwd_launch import flash_bwd
-    from dmattn_cute.kernels.fwd_launch import flash_fwd
-
-    q, k, v, _, _ = random_inputs(2, 300, 520, 4, 2, 64, torch.bfloat16, "cpu")
-    problem, _, _ = make_problem(q, k, v, None, None, None, causal, 0.0, (-1, -1), deterministic)
-    if not backward:
-        return problem, flash_fwd(problem, q, k, v, None, None, block_mask=block_mask)
-    out, stats = torch.randn_like(q), torch.zeros(2, 4, 2, 300)
-    args = (problem, torch.randn_like(q), q, k, v, None, None, out, stats, False)
-    return problem, flash_bwd(*args, block_mask=block_mask)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_launch_passes_the_block_masks_order(launches, causal) -> None:
     """The Hopper forward with a block mask gets its order (memoized with the block mask);
     without one, none (grid order, or longest_first's under causal limits)."""
     block_mask = random_block_mask((2, 2, 3, 5), 0.5, "cpu")
-    problem, _ = _launch(block_mask, causal)
+    problem, _ = launch_block_mask(64, None, block_mask, causal=causal)
     ((spec, args),) = launches["calls"]
     assert spec.ordered
     order = args[9]
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     counts = tile_counts(block_mask, problem, tile_m, tile_n).sum(3).flatten(0, 1)
     check_sorted(order, counts, spec.section_heads(520, 2, 8))
-    _launch(block_mask, causal)
+    launch_block_mask(64, None, block_mask, causal=causal)
     assert launches["calls"][-1][1][9] is order
-    _launch(None, causal)
+    launch_block_mask(64, None, None, causal=causal)
     spec, args = launches["calls"][-1]
     assert not spec.ordered and args[9] is None
 
@@ -146,7 +133,7 @@ def test_forward_launch_passes_the_block_masks_order(launches, causal) -> None:
 )
 def test_backward_launch_passes_the_block_masks_order(launches, causal, deterministic) -> None:
     block_mask = random_block_mask((2, 2, 3, 5), 0.5, "cpu")
-    _launch(block_mask, causal, deterministic, backward=True)
+    launch_block_mask(64, None, block_mask, True, causal, deterministic)
     spec, args = launches["calls"][-1]
     assert spec.ordered == (not deterministic)
     order = args[15]
@@ -155,8 +142,8 @@ def test_backward_launch_passes_the_block_masks_order(launches, causal, determin
         return
     n_tiles = -(-520 // spec.tile.tile_n)
     assert sorted(order.tolist()) == list(range(2 * 2 * n_tiles))
-    _launch(block_mask, causal, deterministic, backward=True)
+    launch_block_mask(64, None, block_mask, True, causal, deterministic)
     assert launches["calls"][-1][1][15] is order
-    _launch(None, causal, deterministic, backward=True)
+    launch_block_mask(64, None, None, True, causal, deterministic)
     spec, args = launches["calls"][-1]
     assert spec.ordered == causal and (args[15] is None) == (not causal)

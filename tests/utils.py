@@ -351,3 +351,22 @@ def forward_and_check(
     check_close("out", out, out_ref, out_lowp, q.dtype)
     check_close("lse", lse, lse_ref, lse_lowp.float(), q.dtype)
     return out, lse, out_ref, lse_ref
+
+
+def launch_block_mask(
+    head_dim, mask, block_mask, backward=False, causal=False, deterministic=False
+):
+    """The launch code's forward (or backward) of a B2 Sq300 Sk520 H4/2 call, no bias."""
+    from dmattn_cute.kernels.bwd_launch import flash_bwd
+    from dmattn_cute.kernels.fwd_launch import flash_fwd
+    from dmattn_cute.problem import make_problem
+
+    q, k, v, _, _ = random_inputs(2, 300, 520, 4, 2, head_dim, torch.bfloat16, "cpu")
+    problem, mask4, _ = make_problem(
+        q, k, v, mask, None, None, causal, 0.0, (-1, -1), deterministic
+    )
+    if not backward:
+        return problem, flash_fwd(problem, q, k, v, mask4, None, block_mask=block_mask)
+    out, stats = torch.randn_like(q), torch.zeros(2, 4, 2, 300)
+    args = (problem, torch.randn_like(q), q, k, v, mask4, None, out, stats, False)
+    return problem, flash_bwd(*args, block_mask=block_mask)

@@ -29,15 +29,17 @@ def tiles_nest(tile_m: int, tile_n: int) -> bool:
 def read_as_bits(
     problem: Problem,
     mask: torch.Tensor | None,
-    block_mask: torch.Tensor,
+    block_mask: torch.Tensor | None,
     tile_of: Callable[[torch.Tensor], tuple[int, int] | None],
-) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
     """How a kernel reads a block mask next to attn_mask `mask` (a 4-D view or None): (the 4-D
     mask view it reads, the block mask where it reads that as its bits, whether attn_mask is
-    ANDed into them). tile_of(view): the (tile_m, tile_n) of the Hopper variant that would
-    run on a mask view, or None for one that reads no bits; where the joint mask has no such
-    variant or its tiles straddle blocks, the view is the element mask and no block mask is
-    read (None, False)."""
+    ANDed into them); without a block mask (mask, None, False). tile_of(view): the (tile_m,
+    tile_n) of the Hopper variant that would run on a mask view, or None for one that reads no
+    bits; where the joint mask has no such variant or its tiles straddle blocks, the view is
+    the element mask and no block mask is read (None, False)."""
+    if block_mask is None:
+        return mask, None, False
     joint = joint_mask(mask, block_mask, problem)
     tile = None if joint is None else tile_of(joint)
     if tile is not None and tiles_nest(*tile):

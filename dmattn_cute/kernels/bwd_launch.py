@@ -420,10 +420,8 @@ def backward_operands(
     problem: Problem, mask, block_mask, bias, bias_grad: bool, arch: str, device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
     """(the mask view the backward reads, the block mask where it reads that as bits,
-    whether attn_mask `mask` is ANDed into them): block_mask_launch.read_as_bits with a block
-    mask, else (mask, None, False). mask/bias: 4-D views."""
-    if block_mask is None:
-        return mask, None, False
+    whether attn_mask `mask` is ANDed into them): block_mask_launch.read_as_bits for this
+    backward. mask/bias: 4-D views."""
 
     def tile_of(view):
         spec = _variant(problem, view, bias, bias_grad, arch, device)

@@ -225,10 +225,8 @@ def forward_operands(
     problem: Problem, mask, block_mask, bias, arch: str
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
     """(the mask view the forward reads, the block mask where it reads that as bits, whether
-    attn_mask `mask` is ANDed into them): block_mask_launch.read_as_bits with a block mask,
-    else (mask, None, False). mask/bias: 4-D views."""
-    if block_mask is None:
-        return mask, None, False
+    attn_mask `mask` is ANDed into them): block_mask_launch.read_as_bits for this forward.
+    mask/bias: 4-D views."""
 
     def tile_of(view):
         spec = _variant(problem, view, bias, arch)  # nothing compiled

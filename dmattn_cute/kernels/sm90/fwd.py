@@ -115,7 +115,7 @@ class Sm90FwdSpec:
     has_window: bool
     has_softcap: bool
     # The CTAs take their (batch, head, query block) from an order the launch gives: a block
-    # mask's, sorted by visible key blocks, most first (block_mask_launch.forward_order).
+    # mask's, sorted by visible key blocks, most first (launch_order.forward_order).
     ordered: bool = False
 
     @staticmethod
@@ -129,13 +129,15 @@ class Sm90FwdSpec:
         has_window: bool,
         has_softcap: bool,
         short_queries: bool = False,
-        ordered: bool = False,
+        block_mask: bool = False,
     ) -> Sm90FwdSpec:
-        """short_queries: at most config.SHORT_QUERY_ROWS query rows (narrower key tiles)."""
+        """short_queries: at most config.SHORT_QUERY_ROWS query rows (narrower key tiles);
+        block_mask: the mask's bits are a block mask's, whose query blocks the launch orders
+        (Sm90BwdSpec.build's block_mask the same)."""
         dp = padded_head_dim(head_dim)
         smem = _smem_operands(mask, bias)
         tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem, short_queries)
-        return Sm90FwdSpec(dtype, dp, tile, mask, bias, has_window, has_softcap, ordered)
+        return Sm90FwdSpec(dtype, dp, tile, mask, bias, has_window, has_softcap, block_mask)
 
     def section_heads(self, seqlen_k: int, group: int, pairs: int) -> int:
         """(batch, query head) pairs per L2 section of the launch order (h fastest, then the
