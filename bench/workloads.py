@@ -34,8 +34,9 @@ class Workload:
     """One attention shape and its operands.
 
     bias: None, "key" ([B, Hkv, 1, Sk], one value per key) or "full" ([B, H, Sq, Sk]).
-    mask: None, "dense" (all True), "blocks" (random BLOCK_Q x BLOCK_K blocks visible with
-    probability `density`) or "topk" (the round(density * Sk) keys of largest bias per query).
+    mask: None, "dense" (all True), "blocks" (random BLOCK_Q x BLOCK_K blocks, a fraction
+    `density` of them visible on average: random_blocks), "blocks128" (the same, 128 x 128)
+    or "topk" (the round(density * Sk) keys of largest bias per query).
     deterministic: the backward runs in deterministic mode (ours only).
     heads_major_kv: k and v are [B, Sk, Hkv, D] views of [B, Hkv, Sk, D] storage, as
     transformers' caches hold them (their decode steps call flash_dmattn_func on those).
@@ -186,12 +187,16 @@ class Inputs:
 
 
 def random_blocks(w: Workload, device: str) -> Tensor:
-    """bool [B, Hkv, Mq, Mk] of the workload's blocks (BLOCK_SIZES), each visible w.p.
-    density; in every query block one key block (on the diagonal, or the last one for Sq <
-    the block's queries) stays visible."""
+    """bool [B, Hkv, Mq, Mk] of the workload's blocks (BLOCK_SIZES): in every query block one
+    key block (on the diagonal, or the last one for Sq < the block's queries) stays visible,
+    and each other one is visible with the probability that makes `density` the expected
+    fraction of visible blocks, the kept one included (a row of nk blocks holds density * nk
+    of them on average; drawing every block w.p. density and then keeping one would hold
+    density + (1 - density) / nk: 0.273 at density 0.25 and S4096)."""
     block_q, block_k = BLOCK_SIZES[w.mask]
     nq, nk = -(-w.seqlen_q // block_q), -(-w.seqlen_k // block_k)
-    blocks = torch.rand(w.batch, w.heads_kv, nq, nk, device=device) < w.density
+    others = 1.0 if nk == 1 else max(0.0, (w.density * nk - 1) / (nk - 1))
+    blocks = torch.rand(w.batch, w.heads_kv, nq, nk, device=device) < others
     rows = torch.arange(nq, device=device)
     diagonal = torch.clamp((rows * block_q + (w.seqlen_k - w.seqlen_q)) // block_k, 0, nk - 1)
     blocks[:, :, rows, diagonal] = True

@@ -218,7 +218,9 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class EagerAttention(torch.autograd.Function):
     """The eager CUDA path: flash_fwd and flash_bwd with the ops' autograd formula, for a
     problem flash_dmattn_func has validated and described (check_problem), and a block mask
-    (validated) or None."""
+    (validated) or None. The gradients the kernels sum in fp32 (dq; dk and dv where a kv
+    head's query heads are split over CTAs; a summed dbias) come from one cast, as views of
+    one tensor (the op returns separate tensors: its outputs may not share a storage)."""
 
     @staticmethod
     def forward(
@@ -251,7 +253,7 @@ class EagerAttention(torch.autograd.Function):
         bias_grad = bias is not None and ctx.needs_input_grad[5]
         dq, dk, dv, dbias = flash_bwd(
             ctx.problem, dout, query, key, value, mask, bias, out, stats, bias_grad,
-            block_mask=block_mask, bits=ctx.bwd_bits, key_expiry=key_expiry,
+            block_mask=block_mask, bits=ctx.bwd_bits, key_expiry=key_expiry, one_storage=True,
         )  # fmt: skip
         dbias = dbias.view(ctx.bias_shape) if bias_grad else None
         return None, dq, dk, dv, None, dbias, None, None

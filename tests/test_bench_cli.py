@@ -71,6 +71,16 @@ def test_block_mask_inputs() -> None:
     assert x.bias.shape == (2, HEADS_KV, 1, 320)
 
 
+@pytest.mark.parametrize("density", [0.05, 0.25, 1.0])
+def test_block_mask_density_is_the_visible_fraction(density: float) -> None:
+    """The kept block of every query row counts toward the density: at S4096, 128 x 128
+    blocks, the visible fraction is density (not density + (1 - density) / 32)."""
+    w = Workload("sparse", 8, 4096, 4096, bias="key", mask="blocks128", density=density)
+    blocks = make_inputs(w, "cpu").blocks  # 8 x 4 x 32 rows of 32 blocks
+    assert abs(blocks.float().mean().item() - density) < 0.01
+    assert blocks.any(3).all()
+
+
 def test_block_mask_128_inputs_carry_their_blocks() -> None:
     """blocks128: the element mask is the blocks repeated, and ours_block_mask (the blocks as
     block_mask=) computes what ours computes with the element mask."""

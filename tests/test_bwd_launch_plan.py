@@ -4,6 +4,7 @@ the plan behind them is made again."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dmattn_cute.jit import KERNELS_ENV, cache
@@ -18,8 +19,9 @@ B, SQ, SK, H, HKV, D = 2, 300, 200, 4, 2, 64
 
 
 def backward(
-    mask, bias, bias_grad=True, deterministic=False, heads_kv=HKV, batch=B, causal=False, heads=H
-):
+    mask, bias, bias_grad=True, deterministic=False, heads_kv=HKV, batch=B, causal=False, heads=H,
+    one_storage=False,
+):  # fmt: skip
     q = torch.randn(batch, SQ, heads, D, dtype=torch.bfloat16)
     k, v = (torch.randn(batch, SK, heads_kv, D, dtype=torch.bfloat16) for _ in range(2))
     problem, mask4, bias4 = make_problem(
@@ -27,7 +29,9 @@ def backward(
     )
     out, dout = torch.randn_like(q), torch.randn_like(q)
     stats = torch.zeros(batch, heads, 2, SQ)
-    return bwd_launch.flash_bwd(problem, dout, q, k, v, mask4, bias4, out, stats, bias_grad)
+    return bwd_launch.flash_bwd(
+        problem, dout, q, k, v, mask4, bias4, out, stats, bias_grad, one_storage=one_storage
+    )
 
 
 def kernels(launches):
@@ -73,6 +77,36 @@ def test_one_zeroed_allocation_holds_dq_and_the_fp32_dbias(launches) -> None:
     assert dq_acc.untyped_storage().data_ptr() == dbias_buf.untyped_storage().data_ptr()
     assert dbias_buf.data_ptr() % 16 == 0 and not dbias_buf.any()
     assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+
+
+@pytest.mark.parametrize("one_storage", [False, True])
+def test_fp32_sums_come_back_in_the_inputs_dtype(launches, monkeypatch, one_storage) -> None:
+    """dq, the split dk / dv partial sums and a key bias's dbias are fp32 sums the caller gets
+    in the inputs' dtype; one_storage (the eager path) casts them by one call, as views of
+    one tensor."""
+    recorder = bwd_launch.compiled
+
+    def compiled(spec, arch):
+        call = recorder(spec, arch)
+
+        def run(*args):
+            call(*args)
+            if isinstance(spec, Sm90BwdSpec):  # the kernel's sums
+                for t in (args[6], args[7], args[8], args[16]):
+                    t.copy_(torch.randn_like(t))
+
+        return run
+
+    monkeypatch.setattr(bwd_launch, "compiled", compiled)
+    bias = torch.randn(1, 1, 1, SK, dtype=torch.bfloat16)
+    grads = backward(None, bias, heads_kv=1, batch=1, one_storage=one_storage)
+    spec, args = launches["calls"][-1]
+    assert spec.split_heads and not spec.dbias.direct
+    for got, index in zip(grads, (6, 7, 8, 16), strict=True):
+        assert got.dtype == torch.bfloat16 and got.is_contiguous()
+        assert torch.equal(got, args[index].to(torch.bfloat16).view(got.shape))
+    storages = {t.untyped_storage().data_ptr() for t in grads}
+    assert len(storages) == (1 if one_storage else 4)
 
 
 def test_heads_split_and_deterministic_rotation(launches) -> None:

@@ -430,11 +430,23 @@ def backward_operands(
     return read_as_bits(problem, mask, block_mask, tile_of)
 
 
-def _zeroed_fp32(shapes: list[torch.Size], device) -> list[torch.Tensor]:
-    """Zeroed contiguous fp32 tensors of these shapes, carved in order from one allocation."""
+def _zeroed_fp32(shapes: list[torch.Size], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One zeroed fp32 allocation, and contiguous tensors of these shapes carved from it in
+    order."""
     sizes = [math.prod(shape) for shape in shapes]
     flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
+    return flat, [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
+
+
+def _cast(flat: torch.Tensor, sums: list[torch.Tensor], dtype, one_storage: bool):
+    """The fp32 sums (consecutive from the start of `flat`) in `dtype`: one cast of that span
+    whose views they are where one_storage (a launch and a torch call instead of one per sum;
+    the results then share a storage, which a custom op may not return), else one each."""
+    if not one_storage:
+        return [t.to(dtype) for t in sums]
+    sizes = [t.numel() for t in sums]
+    span = flat[: sum(sizes)].to(dtype)
+    return [part.view(t.shape) for part, t in zip(span.split(sizes), sums, strict=True)]
 
 
 def flash_bwd(
@@ -451,6 +463,7 @@ def flash_bwd(
     block_mask: torch.Tensor | None = None,
     bits: torch.Tensor | None = None,
     key_expiry: torch.Tensor | None = None,
+    one_storage: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv and (bias_grad) dbias of one forward call, on CUDA tensors.
 
@@ -459,7 +472,8 @@ def flash_bwd(
     flash_fwd takes it (bits of the Hopper kernel's tiles, or expanded into the mask). bits:
     the mask's block bits for this variant as its kernel reads them (kernels/paired_bits.py),
     which the pre-pass then does not compute; only without a block mask. key_expiry: as
-    flash_fwd takes it.
+    flash_fwd takes it. one_storage: the gradients the kernel sums in fp32 (dq, split dk/dv,
+    a summed dbias of q's dtype) come from one cast, as views of one tensor.
     """
     q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
     bias_k = operand_view(bias)
@@ -507,7 +521,7 @@ def flash_bwd(
     split = isinstance(spec, Sm90BwdSpec) and spec.split_heads
     shapes = [q.shape, k.shape, v.shape] if split else [q.shape]
     dbias_shape = plan.dbias_shape
-    dq_acc, *parts = _zeroed_fp32(shapes + ([dbias_shape] if dbias_shape else []), q.device)
+    flat, (dq_acc, *parts) = _zeroed_fp32(shapes + ([dbias_shape] if dbias_shape else []), q.device)
     kv_acc = parts[:2] if split else []
     kind, _, dbias, dbias_buf = _dbias_buffers(
         problem, bias, bias_grad, query_split=plan.query_splits > 1,
@@ -559,7 +573,6 @@ def flash_bwd(
             plan.rotate, mask_k,
             bias_k, bits, order, dbias_view, sem, sem_kv, *plan.scalars,
         )  # fmt: skip
-        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     else:
         if spec.split_heads:  # fp32 partial sums, a head slot per (kv head, split), each whole
             slots = (*k.shape[:2], k.shape[2] * plan.splits, k.shape[3])
@@ -575,11 +588,21 @@ def flash_bwd(
                 x.unflatten(2, (k.shape[2], plan.splits)).sum(3).to(t.dtype)
                 for x, t in ((dk, k), (dv, v))
             )
-    if kind == "slots":
-        dbias_buf = sum_slots(dbias_buf, bias.shape)
-    if kind in ("sum", "slots"):
+    # The sums in the inputs' dtype, in their order in `flat`: dq, the split dk / dv, a
+    # summed dbias of that dtype (the fp32 dbias is returned as it is, slots are summed first).
+    sums = [dq_acc, *kv_acc]
+    if kind == "sum" and bias.dtype == q.dtype:
+        sums.append(dbias_buf)
+    dq, *rest = _cast(flat, sums, q.dtype, one_storage)
+    if kv_acc:
+        dk, dv, *rest = rest
+    if rest:
+        (dbias,) = rest
+    elif kind in ("sum", "slots"):
+        if kind == "slots":
+            dbias_buf = sum_slots(dbias_buf, bias.shape)
         dbias = dbias_buf if bias.dtype == torch.float32 else dbias_buf.to(bias.dtype)
-    return dq_acc.to(q.dtype), dk, dv, dbias
+    return dq, dk, dv, dbias
 
 
 __all__ = [
