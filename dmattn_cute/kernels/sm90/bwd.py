@@ -805,15 +805,17 @@ class FlashBwdSm90:
     @cute.jit
     def reduce_step(self, copies, m_block, turns=None, walk=None, h=None, turn=None):
         """Query block m_block's dQ tile, once the MMA warpgroups have written it (with
-        `turns`: in this key block's `turn`, passed on once the addition is done)."""
+        `turns`: in this key block's `turn`, passed on once the addition is done). The turn
+        is taken while the MMA warpgroups compute the tile: once the tile is ready the
+        addition starts at once, and sdQ goes back to them one poll of the turn sooner."""
         tma_dq, tdQsdQ, tdQgdQ = copies
         count = _MMA_THREADS + 32
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous reduce read sdQ
         cute.arch.barrier_arrive(barrier_id=_DQ_FREE, number_of_threads=count)
-        cute.arch.barrier(barrier_id=_DQ_READY, number_of_threads=count)
         if cutlass.const_expr(turns is not None):
             turns.take(walk.b, h, m_block, turn)
             cute.arch.sync_warp()  # the warp adds after the previous key block
+        cute.arch.barrier(barrier_id=_DQ_READY, number_of_threads=count)
         cute.copy(tma_dq, tdQsdQ, tdQgdQ[None, m_block])
         cute.arch.cp_async_bulk_commit_group()
         if cutlass.const_expr(turns is not None):
