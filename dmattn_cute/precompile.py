@@ -30,15 +30,9 @@ from dmattn_cute.decode import chunk_operands, decode_splits
 from dmattn_cute.jit import cache
 from dmattn_cute.jit.arch import SUPPORTED_ARCHS, hopper_kernels
 from dmattn_cute.kernels.bwd import BwdSpec
-from dmattn_cute.kernels.bwd_launch import (
-    backward_bits_spec_of,
-    backward_operands,
-    backward_spec_of,
-    preprocess_spec,
-    sm_count,
-)
+from dmattn_cute.kernels.bwd_launch import backward_variants, preprocess_spec, sm_count
 from dmattn_cute.kernels.combine_launch import combine_spec
-from dmattn_cute.kernels.fwd_launch import bits_spec_of, forward_spec_of
+from dmattn_cute.kernels.fwd_launch import forward_variants
 from dmattn_cute.kernels.paired_bits import paired_bits_spec
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, broadcast_view, make_problem
@@ -263,18 +257,14 @@ def planned_kernels(
     if backward and mask4 is not None and not expiry and block_mask is None:
         paired = paired_bits_spec(problem, mask4, bias4, bias is not None, arch, q.device)
     own_bits = not (eager and paired is not None)
-    kernels = [("fwd", forward_spec_of(problem, mask4, bias4, arch, block_mask))]
-    bits = bits_spec_of(problem, mask4, bias4, arch, block_mask)
+    fwd, bits = forward_variants(problem, mask4, bias4, arch, block_mask)
+    kernels = [("fwd", fwd)]
     if bits is not None and own_bits:
         kernels.append(("bits", bits))
     if backward:
         grad = bias is not None
-        bwd = backward_spec_of(problem, mask4, bias4, grad, arch, q.device, block_mask)
+        bwd, bwd_bits = backward_variants(problem, mask4, bias4, grad, arch, q.device, block_mask)
         kernels += [("bwd_pre", preprocess_spec(problem.dtype, problem.head_dim)), ("bwd", bwd)]
-        _, blocks, mask_given = backward_operands(
-            problem, mask4, block_mask, bias4, grad, arch, q.device
-        )
-        bwd_bits = backward_bits_spec_of(bwd, scans_mask=blocks is None or mask_given)
         if bwd_bits is not None and own_bits:
             kernels.append(("bits", bwd_bits))
     if paired is not None:

@@ -90,6 +90,22 @@ def block_bits(
     )
 
 
+def joint_block_bits(
+    block_mask: torch.Tensor,
+    bits: torch.Tensor | None,
+    mask_given: bool,
+    problem: Problem,
+    tile_m: int,
+    tile_n: int,
+    heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the block mask's own bits, as block_bits; the bits a kernel reads): with an attn_mask
+    too (mask_given), the tiles both leave visible, its `bits` and'ed in; else the block
+    mask's alone."""
+    from_blocks = block_bits(block_mask, problem, tile_m, tile_n, heads)
+    return from_blocks, (from_blocks & bits if mask_given else from_blocks)
+
+
 def _block_bits(
     block_mask: torch.Tensor, problem: Problem, tile_m: int, tile_n: int, heads: int
 ) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ..problem import MAX_HEAD_DIM, Problem, broadcast_view
 from . import expiry_launch
 from .block_bits import BlockBitsSpec
 from .block_bits_launch import kernel_bits_view, mask_block_bits
-from .block_mask_launch import block_bits, read_as_bits
+from .block_mask_launch import joint_block_bits, read_as_bits
 from .bwd import BwdScalars, BwdSpec, DbiasSpec
 from .bwd_pre import VECTOR_BYTES, BwdPreprocessSpec
 from .launch import (
@@ -232,6 +232,42 @@ def _dbias_buffers(
     return kind, tuple(fold), dbias, dbias_buf
 
 
+def backward_variants(
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bias_grad: bool,
+    arch: str,
+    device: torch.device | None = None,
+    block_mask: torch.Tensor | None = None,
+) -> tuple[BwdSpec | Sm90BwdSpec, BlockBitsSpec | None]:
+    """The backward variant a call runs on `device`, and the block-bits pre-pass it runs first
+    or None (mask/bias: normalized 4-D views, block_mask as flash_bwd takes it; tensors may be
+    on the meta device, e.g. to list variants for an offline compile, and without a CUDA
+    device the plan assumes `arch`'s largest GPU). Only the Hopper kernel with a mask to scan
+    runs a pre-pass: an expiry's bits need none, nor does a block mask read as bits without
+    an attn_mask (backward_operands)."""
+    device = device or torch.device("meta")
+    mask, blocks, mask_given = backward_operands(
+        problem, mask, block_mask, bias, bias_grad, arch, device
+    )
+    mask_k, bias_k = operand_view(mask), operand_view(bias)
+    # Planning only needs the buffer's strides: allocated on the meta device.
+    split = query_splits(problem, mask is not None, arch) > 1
+    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta", split)
+    dbias_view = broadcast_view(dbias_buf)
+    sms = sm_count(device, arch)
+    spec = bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms, blocks is not None)
+    if (
+        not isinstance(spec, Sm90BwdSpec)
+        or spec.mask is None
+        or spec.mask.dtype in ("i32", "i64")
+        or (blocks is not None and not mask_given)
+    ):
+        return spec, None
+    return spec, BlockBitsSpec(spec.mask, spec.tile.tile_m, spec.tile.tile_n)
+
+
 def backward_spec_of(
     problem: Problem,
     mask: torch.Tensor | None,
@@ -241,35 +277,8 @@ def backward_spec_of(
     device: torch.device | None = None,
     block_mask: torch.Tensor | None = None,
 ) -> BwdSpec | Sm90BwdSpec:
-    """The backward variant a call runs on `device` (mask/bias: normalized 4-D views,
-    block_mask as flash_bwd takes it; tensors may be on the meta device, e.g. to list
-    variants for an offline compile, and without a CUDA device the plan assumes `arch`'s
-    largest GPU)."""
-    device = device or torch.device("meta")
-    mask, blocks, _ = backward_operands(problem, mask, block_mask, bias, bias_grad, arch, device)
-    mask_k, bias_k = operand_view(mask), operand_view(bias)
-    # Planning only needs the buffer's strides: allocated on the meta device.
-    split = query_splits(problem, mask is not None, arch) > 1
-    kind, fold, _, dbias_buf = _dbias_buffers(problem, bias, bias_grad, "meta", split)
-    dbias_view = broadcast_view(dbias_buf)
-    sms = sm_count(device, arch)
-    return bwd_spec(problem, mask_k, bias_k, dbias_view, kind, fold, arch, sms, blocks is not None)
-
-
-def backward_bits_spec_of(
-    spec: BwdSpec | Sm90BwdSpec, scans_mask: bool = True
-) -> BlockBitsSpec | None:
-    """The block-bits pre-pass a backward variant runs first (the Hopper kernel with a mask,
-    for its own tiles), or None (an expiry's bits need no pre-pass; nor does a block mask
-    read as bits without an attn_mask: scans_mask False, backward_operands)."""
-    if (
-        not isinstance(spec, Sm90BwdSpec)
-        or spec.mask is None
-        or spec.mask.dtype in ("i32", "i64")
-        or not scans_mask
-    ):
-        return None
-    return BlockBitsSpec(spec.mask, spec.tile.tile_m, spec.tile.tile_n)
+    """The backward variant a call runs (as backward_variants)."""
+    return backward_variants(problem, mask, bias, bias_grad, arch, device, block_mask)[0]
 
 
 def preprocess_spec(dtype: torch.dtype, head_dim: int) -> BwdPreprocessSpec:
@@ -549,8 +558,9 @@ def flash_bwd(
             elif blocks is None or mask_given:
                 bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
             if blocks is not None:
-                from_blocks = block_bits(blocks, problem, *plan.bits_tile, mask_k.shape[1])
-                joint_bits = from_blocks & bits if mask_given else from_blocks
+                from_blocks, joint_bits = joint_block_bits(
+                    blocks, bits, mask_given, problem, *plan.bits_tile, mask_k.shape[1]
+                )
                 bits = kernel_bits_view(joint_bits, -(-problem.seqlen_q // plan.bits_tile[0]))
         if spec.split_heads:  # fp32 partial sums of the CTAs that share a kv head
             dk, dv = kv_acc
@@ -606,9 +616,9 @@ def flash_bwd(
 
 
 __all__ = [
-    "backward_bits_spec_of",
     "backward_operands",
     "backward_spec_of",
+    "backward_variants",
     "bwd_preprocess",
     "bwd_spec",
     "dbias_plan",

@@ -19,7 +19,7 @@ from ..problem import Problem, broadcast_view
 from . import expiry_launch
 from .block_bits import BlockBitsSpec
 from .block_bits_launch import block_bits_shape, block_bits_spec, kernel_bits_view
-from .block_mask_launch import block_bits, read_as_bits
+from .block_mask_launch import joint_block_bits, read_as_bits
 from .config import SHORT_QUERY_ROWS
 from .fwd import FwdScalars, FwdSpec
 from .launch import (
@@ -35,19 +35,41 @@ from .sm90.fwd import Sm90FwdSpec
 from .spec import OperandSpec
 
 
+def forward_variants(
+    problem: Problem,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    arch: str,
+    block_mask: torch.Tensor | None = None,
+) -> tuple[FwdSpec | Sm90FwdSpec, BlockBitsSpec | None]:
+    """The forward variant a call runs, and the block-bits pre-pass it runs first or None
+    (mask/bias: normalized 4-D views, block_mask as flash_fwd takes it; tensors may be on the
+    meta device, e.g. to list variants for an offline compile). Only the Hopper kernel with a
+    mask to scan runs a pre-pass: an integer mask is an expiry or key ranges, and a block mask
+    alone is read as bits."""
+    bias = operand_view(bias)
+    view, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
+    view = operand_view(view)
+    spec = fwd_spec(problem, view, bias, arch, blocks is not None)
+    if (
+        not isinstance(spec, Sm90FwdSpec)
+        or view is None
+        or view.dtype in expiry_launch.EXPIRY_DTYPES
+        or (blocks is not None and not mask_given)
+    ):
+        return spec, None
+    return spec, block_bits_spec(view, problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
+
+
 def forward_spec_of(
     problem: Problem,
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     arch: str,
     block_mask: torch.Tensor | None = None,
-) -> FwdSpec:
-    """The forward variant a call runs (mask/bias: normalized 4-D views, block_mask as
-    flash_fwd takes it; tensors may be on the meta device, e.g. to list variants for an
-    offline compile)."""
-    bias = operand_view(bias)
-    view, blocks, _ = forward_operands(problem, mask, block_mask, bias, arch)
-    return fwd_spec(problem, operand_view(view), bias, arch, blocks is not None)
+) -> FwdSpec | Sm90FwdSpec:
+    """The forward variant a call runs (as forward_variants)."""
+    return forward_variants(problem, mask, bias, arch, block_mask)[0]
 
 
 def forward_family(arch: str) -> type[FwdSpec | Sm90FwdSpec]:
@@ -91,29 +113,6 @@ def _build(
         short = problem.seqlen_q <= SHORT_QUERY_ROWS and mask is not None
         return family.build(*args, short, block_mask)
     return family.build(*args)
-
-
-def bits_spec_of(
-    problem: Problem,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    arch: str,
-    block_mask: torch.Tensor | None = None,
-) -> BlockBitsSpec | None:
-    """The block-bits pre-pass a forward call runs first (the Hopper kernel with a mask to
-    scan), or None (arguments as forward_spec_of takes them; an integer mask is an expiry or
-    key ranges, a block mask alone is read as bits: neither needs a pre-pass)."""
-    bias = operand_view(bias)
-    view, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
-    spec = fwd_spec(problem, operand_view(view), bias, arch, blocks is not None)
-    if (
-        not isinstance(spec, Sm90FwdSpec)
-        or view is None
-        or view.dtype in expiry_launch.EXPIRY_DTYPES
-        or (blocks is not None and not mask_given)
-    ):
-        return None
-    return block_bits_spec(operand_view(view), problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
 
 
 class _FwdPlan(NamedTuple):
@@ -322,8 +321,9 @@ def flash_fwd(
         else:
             spec = plan.spec
             tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
-            from_blocks = block_bits(blocks, problem, tile_m, tile_n, mask.shape[1])
-            bits = from_blocks & bits if mask_given else from_blocks
+            from_blocks, bits = joint_block_bits(
+                blocks, bits, mask_given, problem, tile_m, tile_n, mask.shape[1]
+            )
             bits = kernel_bits_view(bits, -(-problem.seqlen_q // tile_m))
             group = problem.num_heads // problem.num_heads_kv
             pairs = problem.batch * problem.num_heads
@@ -340,11 +340,11 @@ def flash_fwd(
 
 
 __all__ = [
-    "bits_spec_of",
     "flash_fwd",
     "forward_family",
     "forward_operands",
     "forward_spec_of",
+    "forward_variants",
     "fwd_spec",
     "key_chunks_refusal",
 ]
