@@ -4,14 +4,41 @@ TVM-FFI, on the current torch stream)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
+from ..memo import remember_for
 from ..problem import broadcast_view
 from .block_bits import BlockBitsSpec
 from .launch import operand_spec, operand_view
 from .spec import OperandSpec
+
+Bits = TypeVar("Bits")
+
+# Bits of recent masks (memo.remember_for, on the tensor a kernel's mask view views): one
+# attn_mask usually serves every layer's forward and backward of a step, and each pre-pass
+# reads all of it (134 MB at B2 Hkv4 S4096).
+_REMEMBERED: dict[tuple, tuple] = {}
+_REMEMBERED_MAX = 16
+
+
+def remembered_bits(
+    mask: torch.Tensor, lengths: tuple[int, int], tiles: tuple[int, ...], make: Callable[[], Bits]
+) -> Bits:
+    """make()'s block bits of a 4-D mask view (problem.broadcast_view of the caller's mask;
+    not its kernel view, a dtype view that keeps the version but not the tensor it views) at
+    these (Sq, Sk) and tiles, remembered while the tensor it views is unchanged; the result
+    is shared and must not be written. Not while a CUDA graph is captured: its replays must
+    read the mask they find."""
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return make()
+    base = mask if mask._base is None else mask._base
+    where = (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype)
+    return remember_for(_REMEMBERED, base, (where, lengths, tiles), make, _REMEMBERED_MAX)
 
 
 def mask_view(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
@@ -129,12 +156,16 @@ def kernel_bits_view(bits: torch.Tensor, m_blocks: int) -> torch.Tensor:
 
 
 def mask_block_bits(
-    mask: torch.Tensor, mask_spec: OperandSpec, seqlen_q: int, seqlen_k: int, tile: tuple[int, int],
-    arch: str,
+    mask: torch.Tensor, view: torch.Tensor, mask_spec: OperandSpec, seqlen_q: int, seqlen_k: int,
+    tile: tuple[int, int], arch: str,
 ) -> torch.Tensor:  # fmt: skip
-    """The block bits of a kernel's mask view, whose operand spec the kernel's variant was
-    picked by, for its (tile_m, tile_n) tiles, as the kernel indexes them (kernel_bits_view)."""
-    bits = launch_block_bits(mask, BlockBitsSpec(mask_spec, *tile), seqlen_q, seqlen_k, arch)
+    """The block bits of a 4-D mask view and its kernel view `view`, whose operand spec the
+    kernel's variant was picked by, for its (tile_m, tile_n) tiles, as the kernel indexes them
+    (kernel_bits_view); remembered with the mask (remembered_bits)."""
+    bits = remembered_bits(
+        mask, (seqlen_q, seqlen_k), (*tile, 1),
+        lambda: launch_block_bits(view, BlockBitsSpec(mask_spec, *tile), seqlen_q, seqlen_k, arch),
+    )  # fmt: skip
     return kernel_bits_view(bits, -(-seqlen_q // tile[0]))
 
 
@@ -147,4 +178,5 @@ __all__ = [
     "launch_paired_bits",
     "mask_block_bits",
     "mask_view",
+    "remembered_bits",
 ]

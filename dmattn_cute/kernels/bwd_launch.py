@@ -480,7 +480,8 @@ def flash_bwd(
     row max / log2 row sum (see flash_fwd); dbias has bias's shape and dtype. block_mask: as
     flash_fwd takes it (bits of the Hopper kernel's tiles, or expanded into the mask). bits:
     the mask's block bits for this variant as its kernel reads them (kernels/paired_bits.py),
-    which the pre-pass then does not compute; only without a block mask. key_expiry: as
+    which the pre-pass then does not compute (its own are remembered with the mask, as
+    flash_fwd's); only without a block mask. key_expiry: as
     flash_fwd takes it. one_storage: the gradients the kernel sums in fp32 (dq, split dk/dv,
     a summed dbias of q's dtype) come from one cast, as views of one tensor.
     """
@@ -556,7 +557,7 @@ def flash_bwd(
             elif expiry is not None:
                 bits = expiry_launch.expiry_bits(key_expiry, problem, *plan.bits_tile)
             elif blocks is None or mask_given:
-                bits = mask_block_bits(mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
+                bits = mask_block_bits(mask, mask_k, spec.mask, *seqlens, plan.bits_tile, arch)
             if blocks is not None:
                 from_blocks, joint_bits = joint_block_bits(
                     blocks, bits, mask_given, problem, *plan.bits_tile, mask_k.shape[1]

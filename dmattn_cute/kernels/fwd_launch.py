@@ -18,7 +18,12 @@ from ..memo import remember
 from ..problem import Problem, broadcast_view
 from . import expiry_launch
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import block_bits_shape, block_bits_spec, kernel_bits_view
+from .block_bits_launch import (
+    block_bits_shape,
+    block_bits_spec,
+    kernel_bits_view,
+    remembered_bits,
+)
 from .block_mask_launch import joint_block_bits, read_as_bits
 from .config import SHORT_QUERY_ROWS
 from .fwd import FwdScalars, FwdSpec
@@ -119,14 +124,16 @@ class _FwdPlan(NamedTuple):
     """What one forward call launches, shared by every call with the same problem, arch and
     mask/bias layouts: the variant's kernel and scalars and, for the Hopper kernel with a
     mask, the block-bits pre-pass's kernel (None for a block mask alone, whose bits need no
-    pre-pass), the bits' shape and the strides of their view indexed like the mask (stride 0
-    on its broadcast batch and head dims)."""
+    pre-pass), the bits' shape, tiles (remembered_bits' key: tile_m, tile_n, one row of them
+    per bit) and the strides of their view indexed like the mask (stride 0 on its broadcast
+    batch and head dims)."""
 
     spec: FwdSpec | Sm90FwdSpec
     kernel: Any
     scalars: tuple
     bits_kernel: Any
     bits_shape: tuple[int, ...] | None
+    bits_tiles: tuple[int, int, int] | None
     bits_view_shape: tuple[int, ...] | None
     bits_strides: tuple[int, ...] | None
 
@@ -159,7 +166,7 @@ def _plan(
         or mask.dtype in expiry_launch.EXPIRY_DTYPES
     ):
         # (an integer mask is an expiry or key ranges: its bits come from expiry_launch)
-        return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None)
+        return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None, None)
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     bits_spec = BlockBitsSpec(mask_spec, tile_m, tile_n)
     shape = block_bits_shape(mask, problem.seqlen_q, problem.seqlen_k, tile_m, tile_n)
@@ -168,7 +175,15 @@ def _plan(
     )
     kernel = compiled(spec, arch)
     bits_kernel = compiled(bits_spec, arch) if scans else None
-    return _FwdPlan(spec, kernel, scalars, bits_kernel, shape, view.shape, view.stride())
+    tiles = (tile_m, tile_n, 1)
+    return _FwdPlan(spec, kernel, scalars, bits_kernel, shape, tiles, view.shape, view.stride())
+
+
+def _scan(plan: _FwdPlan, mask: torch.Tensor, problem: Problem) -> torch.Tensor:
+    """The block bits of a mask kernel view by the plan's pre-pass."""
+    bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=mask.device)
+    plan.bits_kernel(mask, bits, None, problem.seqlen_q, problem.seqlen_k)
+    return bits
 
 
 def _plan_of(
@@ -259,7 +274,8 @@ def flash_fwd(
     (dmattn_cute/block_mask.py), read as block bits by the Hopper kernel where its tiles nest
     in blocks, else expanded into the mask (kernels/block_mask_launch.py). bits: the mask's
     block bits as the pre-pass writes them for this variant (kernels/paired_bits.py), which
-    then does not run; only without a block mask. key_expiry: validated top-w expiry rows
+    then does not run; only without a block mask. The pre-pass's bits are remembered with
+    the mask (block_bits_launch.remembered_bits), as a block mask's are. key_expiry: validated top-w expiry rows
     [Be, He, Sk] int32 (dmattn_cute/topw.py), the Hopper kernel's mask operand when it is the
     only mask, else part of the element mask (kernels/expiry_launch.py). key_chunks > 1
     (split-KV decode): out, lse and stats have problem.batch = B * key_chunks entries, entry
@@ -289,8 +305,8 @@ def flash_fwd(
         else:
             mask = expiry_launch.element_mask(mask, key_expiry, problem)
     # blocks: the block mask, where the kernel reads it as bits
-    mask, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
-    mask = operand_view(mask)
+    mask4, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
+    mask = operand_view(mask4)
     if out is None:
         out = torch.empty((problem.batch, *q.shape[1:]), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -313,8 +329,10 @@ def flash_fwd(
             if blocks is not None or tuple(bits.shape) != plan.bits_shape:
                 raise ValueError(f"bits: expected {plan.bits_shape}, got {tuple(bits.shape)}")
         elif scans:
-            bits = torch.empty(plan.bits_shape, dtype=torch.uint8, device=q.device)
-            plan.bits_kernel(mask, bits, None, problem.seqlen_q, problem.seqlen_k)
+            bits = remembered_bits(
+                mask4, (problem.seqlen_q, problem.seqlen_k), plan.bits_tiles,
+                lambda: _scan(plan, mask, problem),
+            )  # fmt: skip
         order = None
         if blocks is None:
             bits = bits.as_strided(plan.bits_view_shape, plan.bits_strides)

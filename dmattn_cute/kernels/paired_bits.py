@@ -11,7 +11,12 @@ import torch
 from ..jit.arch import hopper_kernels
 from ..memo import remember
 from .block_bits import BlockBitsSpec
-from .block_bits_launch import kernel_bits_view, launch_block_bits, launch_paired_bits
+from .block_bits_launch import (
+    kernel_bits_view,
+    launch_block_bits,
+    launch_paired_bits,
+    remembered_bits,
+)
 from .bwd_launch import backward_spec_of
 from .fwd_launch import forward_spec_of
 from .launch import kernel_layout, operand_view
@@ -49,7 +54,9 @@ def paired_bits(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the forward's bits as its pre-pass writes them, the backward's as its kernel reads
     them) from one pre-pass, or None where the two kernels do not pair (not both Hopper, or
-    tiles that do not nest): each then runs its own. mask/bias: 4-D views."""
+    tiles that do not nest): each then runs its own. mask/bias: 4-D views. Remembered with
+    the mask (block_bits_launch.remembered_bits): the layers of a step that share it share one
+    pre-pass."""
     view = operand_view(mask)
     key = (
         problem,
@@ -67,10 +74,15 @@ def paired_bits(
         return None
     spec, _, bwd_m = pairing
     seqlens = (problem.seqlen_q, problem.seqlen_k)
+    tiles = (spec.tile_m, spec.tile_n, spec.coarse_rows)
     if spec.coarse_rows == 1:  # equal tiles, or one row of tiles for every query block
-        bits = forward = launch_block_bits(view, spec, *seqlens, arch)
+        bits = forward = remembered_bits(
+            mask, seqlens, tiles, lambda: launch_block_bits(view, spec, *seqlens, arch)
+        )
     else:
-        bits, forward = launch_paired_bits(view, spec, *seqlens, arch)
+        bits, forward = remembered_bits(
+            mask, seqlens, tiles, lambda: launch_paired_bits(view, spec, *seqlens, arch)
+        )
     return forward, kernel_bits_view(bits, -(-problem.seqlen_q // bwd_m))
 
 
