@@ -491,30 +491,52 @@ class FlashFwdSm90:
             )  # fmt: skip
 
     @cute.jit
-    def prev_visible(self, bits: cute.Tensor | None, n_block, n_block_min):
-        """The last visible key block at or below n_block (below n_block_min: none left).
-        A warp reads the bits of 32 blocks at once and takes the highest visible one from a
-        ballot: one gmem latency per 32 blocks, not per block, when most are empty."""
+    def prev_visible(self, bits: cute.Tensor | None, n_block, n_block_min, top, visible, full):
+        """The last visible key block at or below n_block (below n_block_min: none left), and
+        the walk's window then: (block, top, visible, full), where visible / full hold the
+        VISIBLE / FULL bits of blocks top, top - 1, ..., top - 31 (bit i: block top - i;
+        blocks_window) and cover the block returned. A warp reads the bits of 32 blocks at
+        once, so a walk waits for gmem once per 32 blocks, not once or twice per block (the
+        load sat between a block's Q K^T and its softmax). Start a walk with top = -1."""
         if cutlass.const_expr(bits is not None):
-            lane = cute.arch.lane_idx()
             searching = n_block >= n_block_min
             while searching:
-                idx = n_block - lane
-                visible = cutlass.Int32(0)
-                if idx >= n_block_min:
-                    visible = cutlass.Int32(bits[idx]) & VISIBLE
-                ballot = cute.arch.vote_ballot_sync(visible != 0)
-                if ballot != 0:
-                    # the lowest set lane is the highest visible block
-                    n_block -= cutlass.Int32(cute.arch.popc((ballot & -ballot) - 1))
+                if (n_block > top) | (n_block < top - 31):
+                    top = n_block
+                    visible, full = self.blocks_window(bits, top, n_block_min)
+                ahead = visible >> (top - n_block)  # bit i: block n_block - i
+                if ahead != 0:
+                    # the lowest set bit is the highest visible block
+                    n_block -= cutlass.Int32(cute.arch.popc((ahead & -ahead) - 1))
                     searching = False
                 else:
-                    n_block -= 32
+                    n_block = top - 32
                     searching = n_block >= n_block_min
             # the same for every lane (a ballot): said so, or the stage indices that follow
             # look divergent to ptxas, which then builds the wgmma descriptors per thread
             n_block = cute.arch.make_warp_uniform(n_block)
-        return n_block
+        return n_block, top, visible, full
+
+    @cute.jit
+    def blocks_window(self, bits: cute.Tensor, top, n_block_min):
+        """(visible, full): ballots of the VISIBLE and FULL bits of key blocks top, top - 1,
+        ..., top - 31 (lane i reads block top - i; blocks below n_block_min count as empty)."""
+        idx = top - cute.arch.lane_idx()
+        byte = cutlass.Int32(0)
+        if idx >= n_block_min:
+            byte = cutlass.Int32(bits[idx])
+        visible = cute.arch.vote_ballot_sync((byte & VISIBLE) != 0)
+        full = cute.arch.vote_ballot_sync((byte & FULL) != 0)
+        return cutlass.Int32(visible), cutlass.Int32(full)
+
+    @cute.jit
+    def block_full(self, n_block, top, full):
+        """FULL if key block n_block (in the walk's window: prev_visible) is full, else 0 (and
+        0 without a mask)."""
+        flag = cutlass.Int32(0)
+        if cutlass.const_expr(self.spec.mask is not None):
+            flag = cute.arch.make_warp_uniform(((full >> (top - n_block)) & 1) * FULL)
+        return flag
 
     @cute.jit
     def produce(
@@ -582,7 +604,10 @@ class FlashFwdSm90:
                 cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         mask_tiles = cutlass.Int32(0)  # mask stages filled so far (mask_only_tiles)
-        n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
+        n_block, top, visible, full_bits = self.prev_visible(
+            bits, n_block_max - 1, n_block_min, cutlass.Int32(-1), cutlass.Int32(0),
+            cutlass.Int32(0),
+        )  # fmt: skip
         while n_block >= n_block_min:
             # Bias and mask first: the consumers read the bias before the block's first GEMM,
             # and their stage frees a block earlier than V's (whose acquire waits for the
@@ -595,7 +620,7 @@ class FlashFwdSm90:
                         tma_bar_ptr=pipe_bias.producer_get_barrier(state),
                     )  # fmt: skip
             if cutlass.const_expr(self.mask_only_tiles):
-                full = cute.arch.make_warp_uniform(cutlass.Int32(bits[n_block]) & FULL)
+                full = self.block_full(n_block, top, full_bits)
                 if full == 0:
                     tile_state = self.mask_tile_state(mask_tiles, True)
                     pipe_tiles.producer_acquire(tile_state)
@@ -605,7 +630,7 @@ class FlashFwdSm90:
             elif cutlass.const_expr(self.bias_tiles):
                 pipe_tiles.producer_acquire(state)
                 if cutlass.const_expr(spec.mask is not None):
-                    if (cutlass.Int32(bits[n_block]) & FULL) == 0:
+                    if self.block_full(n_block, top, full_bits) == 0:
                         loads["mask"].load(n_block, state.index)
                 loads["bias"].load(n_block, state.index)
                 operands.tiles_landed(pipe_tiles, state, spec.mask, spec.bias)
@@ -621,7 +646,9 @@ class FlashFwdSm90:
                     tma_bar_ptr=pipe_v.producer_get_barrier(state),
                 )  # fmt: skip
             state.advance()
-            n_block = self.prev_visible(bits, n_block - 1, n_block_min)
+            n_block, top, visible, full_bits = self.prev_visible(
+                bits, n_block - 1, n_block_min, top, visible, full_bits
+            )
 
     @cute.jit
     def consume(
@@ -686,7 +713,10 @@ class FlashFwdSm90:
             )
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
         mask_tiles = cutlass.Int32(0)  # mask stages read so far (mask_only_tiles)
-        n_block = self.prev_visible(bits, n_block_max - 1, n_block_min)
+        n_block, top, visible, full_bits = self.prev_visible(
+            bits, n_block_max - 1, n_block_min, cutlass.Int32(-1), cutlass.Int32(0),
+            cutlass.Int32(0),
+        )  # fmt: skip
         if n_block >= n_block_min:
             # First block: S, its softmax, P (no P V yet: it waits for the next block's S).
             acc_S = cute.make_rmem_tensor(s_shape, cutlass.Float32)
@@ -697,12 +727,15 @@ class FlashFwdSm90:
             )
             pipe_k.consumer_release(state)
             mask_tiles = self.finish_scores(
-                scores, acc_S, views, pipe_tiles, pipe_bias, state, bits, limits, tScS,
-                m_block, n_block, mask_tiles,
+                scores, acc_S, views, pipe_tiles, pipe_bias, state,
+                self.block_full(n_block, top, full_bits), limits, tScS, m_block, n_block,
+                mask_tiles,
             )  # fmt: skip
             softmax.probabilities(acc_S)  # O is still 0: nothing to rescale
             round_pairs(acc_S, rP)
-            n_block = self.prev_visible(bits, n_block - 1, n_block_min)
+            n_block, top, visible, full_bits = self.prev_visible(
+                bits, n_block - 1, n_block_min, top, visible, full_bits
+            )
             while n_block >= n_block_min:
                 state = warp_uniform(state)
                 prev = state.clone()
@@ -721,15 +754,18 @@ class FlashFwdSm90:
                 warpgroup.wait_group(1)  # S of this block is complete
                 pipe_k.consumer_release(state)
                 mask_tiles = self.finish_scores(
-                    scores, acc_S, views, pipe_tiles, pipe_bias, state, bits, limits, tScS,
-                    m_block, n_block, mask_tiles,
+                    scores, acc_S, views, pipe_tiles, pipe_bias, state,
+                    self.block_full(n_block, top, full_bits), limits, tScS, m_block, n_block,
+                    mask_tiles,
                 )  # fmt: skip
                 correction = softmax.probabilities(acc_S)
                 warpgroup.wait_group(0)  # P V of the previous block is complete: P, V are free
                 pipe_v.consumer_release(prev)
                 softmax.rescale_output(acc_O, correction)
                 round_pairs(acc_S, rP)
-                n_block = self.prev_visible(bits, n_block - 1, n_block_min)
+                n_block, top, visible, full_bits = self.prev_visible(
+                    bits, n_block - 1, n_block_min, top, visible, full_bits
+                )
             # Last block's P V.
             pipe_v.consumer_wait(state)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], True, 0)
@@ -781,16 +817,17 @@ class FlashFwdSm90:
         pipe_tiles,
         pipe_bias,
         state,
-        bits,
+        full,
         limits,
         tScS,
         m_block,
         n_block,
         mask_tiles,
     ):
-        """acc_S after Q K^T: softcap, the bias after it, the mask tile (unless full), the
-        causal/window/length limits; then the stage's mask/bias tiles are released. Returns
-        mask_tiles (the mask stages read so far, mask_only_tiles) after this block."""
+        """acc_S after Q K^T: softcap, the bias after it, the mask tile (unless `full`: FULL,
+        block_full), the causal/window/length limits; then the stage's mask/bias tiles are
+        released. Returns mask_tiles (the mask stages read so far, mask_only_tiles) after this
+        block."""
         spec = self.spec
         if cutlass.const_expr(self.bias_tiles and not self.bias_first):
             pipe_tiles.consumer_wait(state)  # not waited for before Q K^T (start_scores)
@@ -799,10 +836,8 @@ class FlashFwdSm90:
         t_bias = t_mask = None
         if cutlass.const_expr(spec.bias is not None):
             t_bias = views["bias"][None, None, None, state.index]
-        full = cutlass.Int32(0)
         tile_state = state
         if cutlass.const_expr(spec.mask is not None):
-            full = cute.arch.make_warp_uniform(cutlass.Int32(bits[n_block]) & FULL)
             if cutlass.const_expr(self.mask_only_tiles):
                 tile_state = self.mask_tile_state(mask_tiles, False)
                 if full == 0:
