@@ -481,9 +481,9 @@ def flash_bwd(
     flash_fwd takes it (bits of the Hopper kernel's tiles, or expanded into the mask). bits:
     the mask's block bits for this variant as its kernel reads them (kernels/paired_bits.py),
     which the pre-pass then does not compute (its own are remembered with the mask, as
-    flash_fwd's); only without a block mask. key_expiry: as
-    flash_fwd takes it. one_storage: the gradients the kernel sums in fp32 (dq, split dk/dv,
-    a summed dbias of q's dtype) come from one cast, as views of one tensor.
+    flash_fwd's); only without a block mask. key_expiry: as flash_fwd takes it. one_storage:
+    the gradients the kernel sums in fp32 (dq, split dk/dv, a summed dbias of q's dtype) come
+    from one cast, as views of one tensor.
     """
     q, k, v, out, dout = (qkv_view(t) for t in (q, k, v, out, dout))
     bias_k = operand_view(bias)
