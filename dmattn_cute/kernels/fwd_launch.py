@@ -276,8 +276,9 @@ def flash_fwd(
     block bits as the pre-pass writes them for this variant (kernels/paired_bits.py), which
     then does not run; only without a block mask. The pre-pass's bits are remembered with
     the mask (block_bits_launch.remembered_bits), as a block mask's are. key_expiry:
-    validated top-w expiry rows [Be, He, Sk] int32 (dmattn_cute/topw.py), the Hopper kernel's mask operand when it is the
-    only mask, else part of the element mask (kernels/expiry_launch.py). key_chunks > 1
+    validated top-w expiry rows [Be, He, Sk] int32 (dmattn_cute/topw.py), the Hopper
+    kernel's mask operand when it is the only mask, else part of the element mask
+    (kernels/expiry_launch.py). key_chunks > 1
     (split-KV decode): out, lse and stats have problem.batch = B * key_chunks entries, entry
     b for chunk b % key_chunks of the key blocks of row b // key_chunks of q, k, v [B, ...]
     and mask/bias [1 or B, Hm, Qm, Km] (problem.seqlen_k: all of a row's keys); the chunks
