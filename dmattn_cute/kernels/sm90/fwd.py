@@ -475,20 +475,34 @@ class FlashFwdSm90:
 
         if warp < 4:
             cute.arch.setmaxregister_decrease(self.registers[0])
-            self.produce(
+            args = (
                 tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
                 pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
                 n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k,
                 tma_bias, tBias, sBias,
             )  # fmt: skip
+            if cutlass.const_expr(spec.mask is not None):
+                if self.all_full(bits, n_block_min, n_block_max):
+                    self.produce(*args, dense=True)
+                else:
+                    self.produce(*args)
+            else:
+                self.produce(*args)
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
-            self.consume(
+            args = (
                 tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
                 pipe_v, pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits,
                 m_block, n_block_min, n_block_max, h, b, scale_log2, bias_scale,
                 softcap_scale, softcap,
             )  # fmt: skip
+            if cutlass.const_expr(spec.mask is not None):
+                if self.all_full(bits, n_block_min, n_block_max):
+                    self.consume(*args, dense=True)
+                else:
+                    self.consume(*args)
+            else:
+                self.consume(*args)
 
     @cute.jit
     def prev_visible(self, bits: cute.Tensor | None, n_block, n_block_min, top, visible, full):
@@ -518,6 +532,22 @@ class FlashFwdSm90:
         return n_block, top, visible, full
 
     @cute.jit
+    def all_full(self, bits: cute.Tensor, n_block_min, n_block_max) -> cutlass.Boolean:
+        """Whether every key block in [n_block_min, n_block_max) is FULL (warp-uniform): the
+        walk then needs no bits and no block takes a mask stage, so it runs the unmasked
+        loop (`dense`)."""
+        full = cutlass.Boolean(True)
+        top = n_block_max - 1
+        while top >= n_block_min:
+            idx = top - cute.arch.lane_idx()
+            byte = cutlass.Int32(FULL)  # lanes past the range
+            if idx >= n_block_min:
+                byte = cutlass.Int32(bits[idx])
+            full = full & cute.arch.vote_all_sync((byte & FULL) != 0)
+            top -= 32
+        return full
+
+    @cute.jit
     def blocks_window(self, bits: cute.Tensor, top, n_block_min):
         """(visible, full): ballots of the VISIBLE and FULL bits of key blocks top, top - 1,
         ..., top - 31 (lane i reads block top - i; blocks below n_block_min count as empty)."""
@@ -530,9 +560,11 @@ class FlashFwdSm90:
         return cutlass.Int32(visible), cutlass.Int32(full)
 
     @cute.jit
-    def block_full(self, n_block, top, full):
+    def block_full(self, n_block, top, full, dense: cutlass.Constexpr[bool] = False):
         """FULL if key block n_block (in the walk's window: prev_visible) is full, else 0 (and
-        0 without a mask)."""
+        0 without a mask; FULL, known at compile time, in a dense walk: all_full)."""
+        if cutlass.const_expr(dense):
+            return FULL
         flag = cutlass.Int32(0)
         if cutlass.const_expr(self.spec.mask is not None):
             flag = cute.arch.make_warp_uniform(((full >> (top - n_block)) & 1) * FULL)
@@ -543,7 +575,7 @@ class FlashFwdSm90:
         self, tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
         pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
         n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
-        tBias, sBias,
+        tBias, sBias, dense: cutlass.Constexpr[bool] = False,
     ):  # fmt: skip
         """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
         block from the last to the first, each into the next free stage (b_op: the row of Q,
@@ -605,8 +637,8 @@ class FlashFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         mask_tiles = cutlass.Int32(0)  # mask stages filled so far (mask_only_tiles)
         n_block, top, visible, full_bits = self.prev_visible(
-            bits, n_block_max - 1, n_block_min, cutlass.Int32(-1), cutlass.Int32(0),
-            cutlass.Int32(0),
+            None if dense else bits, n_block_max - 1, n_block_min, cutlass.Int32(-1),
+            cutlass.Int32(0), cutlass.Int32(0),
         )  # fmt: skip
         while n_block >= n_block_min:
             # Bias and mask first: the consumers read the bias before the block's first GEMM,
@@ -620,7 +652,7 @@ class FlashFwdSm90:
                         tma_bar_ptr=pipe_bias.producer_get_barrier(state),
                     )  # fmt: skip
             if cutlass.const_expr(self.mask_only_tiles):
-                full = self.block_full(n_block, top, full_bits)
+                full = self.block_full(n_block, top, full_bits, dense)
                 if full == 0:
                     tile_state = self.mask_tile_state(mask_tiles, True)
                     pipe_tiles.producer_acquire(tile_state)
@@ -630,7 +662,7 @@ class FlashFwdSm90:
             elif cutlass.const_expr(self.bias_tiles):
                 pipe_tiles.producer_acquire(state)
                 if cutlass.const_expr(spec.mask is not None):
-                    if self.block_full(n_block, top, full_bits) == 0:
+                    if self.block_full(n_block, top, full_bits, dense) == 0:
                         loads["mask"].load(n_block, state.index)
                 loads["bias"].load(n_block, state.index)
                 operands.tiles_landed(pipe_tiles, state, spec.mask, spec.bias)
@@ -647,7 +679,7 @@ class FlashFwdSm90:
                 )  # fmt: skip
             state.advance()
             n_block, top, visible, full_bits = self.prev_visible(
-                bits, n_block - 1, n_block_min, top, visible, full_bits
+                None if dense else bits, n_block - 1, n_block_min, top, visible, full_bits
             )
 
     @cute.jit
@@ -655,6 +687,7 @@ class FlashFwdSm90:
         self, tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
         pipe_v, pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block,
         n_block_min, n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap,
+        dense: cutlass.Constexpr[bool] = False,
     ):  # fmt: skip
         """A consumer warpgroup: its 64 rows of the query block against every visible key
         block, then the epilogue."""
@@ -714,8 +747,8 @@ class FlashFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
         mask_tiles = cutlass.Int32(0)  # mask stages read so far (mask_only_tiles)
         n_block, top, visible, full_bits = self.prev_visible(
-            bits, n_block_max - 1, n_block_min, cutlass.Int32(-1), cutlass.Int32(0),
-            cutlass.Int32(0),
+            None if dense else bits, n_block_max - 1, n_block_min, cutlass.Int32(-1),
+            cutlass.Int32(0), cutlass.Int32(0),
         )  # fmt: skip
         if n_block >= n_block_min:
             # First block: S, its softmax, P (no P V yet: it waits for the next block's S).
@@ -728,13 +761,13 @@ class FlashFwdSm90:
             pipe_k.consumer_release(state)
             mask_tiles = self.finish_scores(
                 scores, acc_S, views, pipe_tiles, pipe_bias, state,
-                self.block_full(n_block, top, full_bits), limits, tScS, m_block, n_block,
+                self.block_full(n_block, top, full_bits, dense), limits, tScS, m_block, n_block,
                 mask_tiles,
             )  # fmt: skip
             softmax.probabilities(acc_S)  # O is still 0: nothing to rescale
             round_pairs(acc_S, rP)
             n_block, top, visible, full_bits = self.prev_visible(
-                bits, n_block - 1, n_block_min, top, visible, full_bits
+                None if dense else bits, n_block - 1, n_block_min, top, visible, full_bits
             )
             while n_block >= n_block_min:
                 state = warp_uniform(state)
@@ -755,7 +788,7 @@ class FlashFwdSm90:
                 pipe_k.consumer_release(state)
                 mask_tiles = self.finish_scores(
                     scores, acc_S, views, pipe_tiles, pipe_bias, state,
-                    self.block_full(n_block, top, full_bits), limits, tScS, m_block, n_block,
+                    self.block_full(n_block, top, full_bits, dense), limits, tScS, m_block, n_block,
                     mask_tiles,
                 )  # fmt: skip
                 correction = softmax.probabilities(acc_S)
@@ -764,7 +797,7 @@ class FlashFwdSm90:
                 softmax.rescale_output(acc_O, correction)
                 round_pairs(acc_S, rP)
                 n_block, top, visible, full_bits = self.prev_visible(
-                    bits, n_block - 1, n_block_min, top, visible, full_bits
+                    None if dense else bits, n_block - 1, n_block_min, top, visible, full_bits
                 )
             # Last block's P V.
             pipe_v.consumer_wait(state)
