@@ -27,18 +27,18 @@ _REMEMBERED_MAX = 16
 
 
 def remembered_bits(
-    mask: torch.Tensor, lengths: tuple[int, int], tiles: tuple[int, ...], make: Callable[[], Bits]
+    mask: torch.Tensor, lengths: tuple[int, int], spec: BlockBitsSpec, make: Callable[[], Bits]
 ) -> Bits:
     """make()'s block bits of a 4-D mask view (problem.broadcast_view of the caller's mask;
     not its kernel view, a dtype view that keeps the version but not the tensor it views) at
-    these (Sq, Sk) and tiles, remembered while the tensor it views is unchanged; the result
-    is shared and must not be written. Not while a CUDA graph is captured: its replays must
-    read the mask they find."""
+    these (Sq, Sk) by this pre-pass variant, remembered while the tensor it views is
+    unchanged; the result is shared and must not be written. Not while a CUDA graph is
+    captured: its replays must read the mask they find."""
     if mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return make()
     base = mask if mask._base is None else mask._base
     where = (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype)
-    return remember_for(_REMEMBERED, base, (where, lengths, tiles), make, _REMEMBERED_MAX)
+    return remember_for(_REMEMBERED, base, (where, lengths, spec), make, _REMEMBERED_MAX)
 
 
 def mask_view(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
@@ -162,9 +162,10 @@ def mask_block_bits(
     """The block bits of a 4-D mask view and its kernel view `view`, whose operand spec the
     kernel's variant was picked by, for its (tile_m, tile_n) tiles, as the kernel indexes them
     (kernel_bits_view); remembered with the mask (remembered_bits)."""
+    spec = BlockBitsSpec(mask_spec, *tile)
     bits = remembered_bits(
-        mask, (seqlen_q, seqlen_k), (*tile, 1),
-        lambda: launch_block_bits(view, BlockBitsSpec(mask_spec, *tile), seqlen_q, seqlen_k, arch),
+        mask, (seqlen_q, seqlen_k), spec,
+        lambda: launch_block_bits(view, spec, seqlen_q, seqlen_k, arch),
     )  # fmt: skip
     return kernel_bits_view(bits, -(-seqlen_q // tile[0]))
 

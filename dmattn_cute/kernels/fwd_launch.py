@@ -124,16 +124,15 @@ class _FwdPlan(NamedTuple):
     """What one forward call launches, shared by every call with the same problem, arch and
     mask/bias layouts: the variant's kernel and scalars and, for the Hopper kernel with a
     mask, the block-bits pre-pass's kernel (None for a block mask alone, whose bits need no
-    pre-pass), the bits' shape, tiles (remembered_bits' key: tile_m, tile_n, one row of them
-    per bit) and the strides of their view indexed like the mask (stride 0 on its broadcast
-    batch and head dims)."""
+    pre-pass), the bits' shape, the pre-pass's variant (remembered_bits' key) and the strides
+    of their view indexed like the mask (stride 0 on its broadcast batch and head dims)."""
 
     spec: FwdSpec | Sm90FwdSpec
     kernel: Any
     scalars: tuple
     bits_kernel: Any
     bits_shape: tuple[int, ...] | None
-    bits_tiles: tuple[int, int, int] | None
+    bits_spec: BlockBitsSpec | None
     bits_view_shape: tuple[int, ...] | None
     bits_strides: tuple[int, ...] | None
 
@@ -175,8 +174,7 @@ def _plan(
     )
     kernel = compiled(spec, arch)
     bits_kernel = compiled(bits_spec, arch) if scans else None
-    tiles = (tile_m, tile_n, 1)
-    return _FwdPlan(spec, kernel, scalars, bits_kernel, shape, tiles, view.shape, view.stride())
+    return _FwdPlan(spec, kernel, scalars, bits_kernel, shape, bits_spec, view.shape, view.stride())
 
 
 def _scan(plan: _FwdPlan, mask: torch.Tensor, problem: Problem) -> torch.Tensor:
@@ -331,7 +329,7 @@ def flash_fwd(
                 raise ValueError(f"bits: expected {plan.bits_shape}, got {tuple(bits.shape)}")
         elif scans:
             bits = remembered_bits(
-                mask4, (problem.seqlen_q, problem.seqlen_k), plan.bits_tiles,
+                mask4, (problem.seqlen_q, problem.seqlen_k), plan.bits_spec,
                 lambda: _scan(plan, mask, problem),
             )  # fmt: skip
         order = None

@@ -74,14 +74,13 @@ def paired_bits(
         return None
     spec, _, bwd_m = pairing
     seqlens = (problem.seqlen_q, problem.seqlen_k)
-    tiles = (spec.tile_m, spec.tile_n, spec.coarse_rows)
     if spec.coarse_rows == 1:  # equal tiles, or one row of tiles for every query block
         bits = forward = remembered_bits(
-            mask, seqlens, tiles, lambda: launch_block_bits(view, spec, *seqlens, arch)
+            mask, seqlens, spec, lambda: launch_block_bits(view, spec, *seqlens, arch)
         )
     else:
         bits, forward = remembered_bits(
-            mask, seqlens, tiles, lambda: launch_paired_bits(view, spec, *seqlens, arch)
+            mask, seqlens, spec, lambda: launch_paired_bits(view, spec, *seqlens, arch)
         )
     return forward, kernel_bits_view(bits, -(-problem.seqlen_q // bwd_m))
 
