@@ -28,6 +28,8 @@ With a mask, the block-bits pre-pass (kernels/block_bits.py) says for every (que
 block) whether the mask tile has a True (visible) and whether it is all True (full). Producer
 and consumers read the same bits and walk the same visible blocks, from the last to the first;
 a block that is not visible costs nothing, a full one loads no mask tile and masks nothing.
+A CTA whose key blocks are all full (all_full) walks them as the kernel without a mask does
+(`dense`): no bits, and no mask branch in its loop.
 
 Shared memory and the order that protects it:
 - mbar: full/empty mbarriers of the Q, K, V, cp.async mask/bias and TMA bias pipelines,
