@@ -214,6 +214,23 @@ def test_long_runs_of_empty_key_blocks(head_dim, causal):
         assert torch.isneginf(lse[:, 2:, rows]).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_all_true_mask_with_partial_tiles(causal):
+    """An all-True mask but for partial tiles in a few query blocks: those CTAs walk the
+    masked loop and every other one the loop without a mask (the Hopper forward's all_full);
+    a walk of more than 32 key blocks, a partial tail tile, rows that see only the last keys
+    (none under causal)."""
+    b, h, sq, sk = 2, 4, 700, 4500
+    q, k, v, _, bias = random_inputs(
+        b, sq, sk, h, 2, 128, torch.bfloat16, "cuda", bias_shape=(b, 2, 1, sk)
+    )
+    mask = torch.ones(b, 2, sq, sk, dtype=torch.bool, device="cuda")
+    mask[0, 1, 300:340, 64:128] = False  # half a key block in one query block
+    mask[1, 0, 650:, 4400:] = False  # part of the tail tile
+    mask[1, 1, :5, :4000] = False
+    forward_and_check(q, k, v, mask, bias, causal=causal)
+
+
 def test_non_contiguous_qkv_and_mask():
     qkv = torch.randn(2, 180, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)
