@@ -483,13 +483,7 @@ class FlashFwdSm90:
                 n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k,
                 tma_bias, tBias, sBias,
             )  # fmt: skip
-            if cutlass.const_expr(spec.mask is not None):
-                if self.all_full(bits, n_block_min, n_block_max):
-                    self.produce(*args, dense=True)
-                else:
-                    self.produce(*args)
-            else:
-                self.produce(*args)
+            self.walk(self.produce, args, bits, n_block_min, n_block_max)
         else:
             cute.arch.setmaxregister_increase(self.registers[1])
             args = (
@@ -498,13 +492,19 @@ class FlashFwdSm90:
                 m_block, n_block_min, n_block_max, h, b, scale_log2, bias_scale,
                 softcap_scale, softcap,
             )  # fmt: skip
-            if cutlass.const_expr(spec.mask is not None):
-                if self.all_full(bits, n_block_min, n_block_max):
-                    self.consume(*args, dense=True)
-                else:
-                    self.consume(*args)
+            self.walk(self.consume, args, bits, n_block_min, n_block_max)
+
+    @cute.jit
+    def walk(self, role, args, bits: cute.Tensor | None, n_block_min, n_block_max):
+        """role(*args) (produce or consume) over the CTA's key blocks: as a dense walk where
+        every one is FULL (all_full), else by their bits."""
+        if cutlass.const_expr(self.spec.mask is not None):
+            if self.all_full(bits, n_block_min, n_block_max):
+                role(*args, dense=True)
             else:
-                self.consume(*args)
+                role(*args)
+        else:
+            role(*args)
 
     @cute.jit
     def prev_visible(self, bits: cute.Tensor | None, n_block, n_block_min, top, visible, full):
@@ -638,9 +638,10 @@ class FlashFwdSm90:
                 cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         mask_tiles = cutlass.Int32(0)  # mask stages filled so far (mask_only_tiles)
+        walk_bits = None if dense else bits  # (a dense walk steps down one block at a time)
         n_block, top, visible, full_bits = self.prev_visible(
-            None if dense else bits, n_block_max - 1, n_block_min, cutlass.Int32(-1),
-            cutlass.Int32(0), cutlass.Int32(0),
+            walk_bits, n_block_max - 1, n_block_min, cutlass.Int32(-1), cutlass.Int32(0),
+            cutlass.Int32(0),
         )  # fmt: skip
         while n_block >= n_block_min:
             # Bias and mask first: the consumers read the bias before the block's first GEMM,
@@ -681,7 +682,7 @@ class FlashFwdSm90:
                 )  # fmt: skip
             state.advance()
             n_block, top, visible, full_bits = self.prev_visible(
-                None if dense else bits, n_block - 1, n_block_min, top, visible, full_bits
+                walk_bits, n_block - 1, n_block_min, top, visible, full_bits
             )
 
     @cute.jit
@@ -748,9 +749,10 @@ class FlashFwdSm90:
             )
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
         mask_tiles = cutlass.Int32(0)  # mask stages read so far (mask_only_tiles)
+        walk_bits = None if dense else bits  # (a dense walk steps down one block at a time)
         n_block, top, visible, full_bits = self.prev_visible(
-            None if dense else bits, n_block_max - 1, n_block_min, cutlass.Int32(-1),
-            cutlass.Int32(0), cutlass.Int32(0),
+            walk_bits, n_block_max - 1, n_block_min, cutlass.Int32(-1), cutlass.Int32(0),
+            cutlass.Int32(0),
         )  # fmt: skip
         if n_block >= n_block_min:
             # First block: S, its softmax, P (no P V yet: it waits for the next block's S).
@@ -769,7 +771,7 @@ class FlashFwdSm90:
             softmax.probabilities(acc_S)  # O is still 0: nothing to rescale
             round_pairs(acc_S, rP)
             n_block, top, visible, full_bits = self.prev_visible(
-                None if dense else bits, n_block - 1, n_block_min, top, visible, full_bits
+                walk_bits, n_block - 1, n_block_min, top, visible, full_bits
             )
             while n_block >= n_block_min:
                 state = warp_uniform(state)
@@ -799,7 +801,7 @@ class FlashFwdSm90:
                 softmax.rescale_output(acc_O, correction)
                 round_pairs(acc_S, rP)
                 n_block, top, visible, full_bits = self.prev_visible(
-                    None if dense else bits, n_block - 1, n_block_min, top, visible, full_bits
+                    walk_bits, n_block - 1, n_block_min, top, visible, full_bits
                 )
             # Last block's P V.
             pipe_v.consumer_wait(state)
