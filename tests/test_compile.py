@@ -246,6 +246,26 @@ def test_hopper_key_bias_row_by_tma_compiles() -> None:
     assert "cp.async.ca.shared.global" not in ptx and "cp.async.cg.shared.global" not in ptx
 
 
+def test_hopper_dense_walk_register_split() -> None:
+    """With mask tiles the forward sets its register split per walk: a dense walk (every key
+    block full: no tile copies) the unmasked kernel's 24 / 240, a bits walk 40 / 232; without
+    a mask one split."""
+
+    def splits(ptx: str) -> set[tuple[str, int]]:
+        found = re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx)
+        return {(kind, int(n)) for kind, n in found}
+
+    masked = fwd_spec_for("sm_90a", 128, "bf16", FULL_MASK, ROW_BIAS, False, False)
+    assert splits(fwd_ptx("sm_90a", masked)) == {
+        ("dec", 24),
+        ("inc", 240),
+        ("dec", 40),
+        ("inc", 232),
+    }
+    plain = fwd_spec_for("sm_90a", 128, "bf16", None, ROW_BIAS, False, False)
+    assert splits(fwd_ptx("sm_90a", plain)) == {("dec", 24), ("inc", 240)}
+
+
 def bwd_spec_for(
     target: str,
     head_dim: int,
