@@ -218,8 +218,8 @@ class FlashFwdSm90:
         self.consumer_wgs = spec.tile.consumer_warpgroups
         self.registers = _REGISTERS[(self.consumer_wgs, self.has_tiles)]
         # a dense walk copies no mask tile: its producer needs only the unmasked kernel's
-        # registers, and its consumers take the rest (H100: 4% off an all-True mask's forward;
-        # with the tiles' registers in every walk, partial tiles were 6% slower)
+        # registers, and its consumers take the rest (H100: 1-2% off the all-True rows; the
+        # unmasked split in every walk made partial tiles 6% slower, the producer spilling)
         self.dense_registers = _REGISTERS[(self.consumer_wgs, self.bias_tiles)]
         # one consumer: two CTAs per SM (registers and the whole shared memory carveout, in
         # percent; given, so that no device is asked at compile time)
