@@ -8,7 +8,9 @@ launch that reads q, k, v and the mask/bias rows in place, each chunk a range of
 blocks (of as many visible blocks as the others where the row is short enough;
 fwd_launch.flash_fwd's key_chunks), and the merge is one more (kernels/combine.py).
 Elsewhere (torch.compile, CPU) the chunks are equal key ranges: one forward over views where
-the keys divide evenly (chunk_operands), else one forward each."""
+the keys divide evenly (chunk_operands), else one forward each. A paged cache is read in place
+by that one launch where its pages hold whole key tiles (reads_pages), else gathered first by
+the caller."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import math
 import torch
 from torch import Tensor
 
+from dmattn_cute.jit.arch import target_arch
 from dmattn_cute.kernels.bwd_launch import sm_count
 from dmattn_cute.kernels.combine_launch import combine_splits
-from dmattn_cute.kernels.fwd_launch import flash_fwd
+from dmattn_cute.kernels.fwd_launch import flash_fwd, paged_tile_n
 from dmattn_cute.ops import attention_fwd, eager_cuda
 from dmattn_cute.problem import Problem, broadcast_view, make_problem
 
@@ -100,9 +103,12 @@ def packed_decode(
     softmax_scale: float | None,
     softcap: float,
     splits: int,
+    block_table: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """out [B, 1, H, D] and lse [B, H, 1] of one query per row (see packable), the keys in
-    `splits` chunks.
+    `splits` chunks. With block_table (where reads_pages): k, v are page pools [pages,
+    page_size, Hkv, D] and row b's key p is slot p % page_size of page block_table[b, p //
+    page_size].
 
     Each chunk runs the forward on q viewed as [B, group, Hkv, D] (a view: the group's heads
     as its query rows), its mask/bias sliced alike: all chunks in one forward on eager CUDA
@@ -112,8 +118,11 @@ def packed_decode(
     batch, _, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads // heads_kv
-    if splits > 1 and eager_cuda(q):  # chunk s of row b: batch entry b * splits + s
-        out, lse = _forward_chunks(q, k, v, mask, bias, splits, softmax_scale, softcap)
+    if (splits > 1 and eager_cuda(q)) or block_table is not None:
+        # chunk s of row b: batch entry b * splits + s
+        out, lse = _forward_chunks(
+            q, k, v, mask, bias, splits, softmax_scale, softcap, block_table
+        )  # fmt: skip
         outs = out.view(batch, splits, group, heads_kv, head_dim)
         lses = lse.view(batch, splits, heads_kv, group)
     elif (fold := chunk_fold(k, v, splits)) is not None:
@@ -150,22 +159,50 @@ def packed_decode(
 
 
 def _forward_chunks(
-    q, k, v, mask, bias, splits: int, softmax_scale, softcap
+    q, k, v, mask, bias, splits: int, softmax_scale, softcap, block_table=None
 ) -> tuple[Tensor, Tensor]:
     """out [B * splits, group, Hkv, D], lse [B * splits, Hkv, group] of the one forward that
-    runs every chunk of every row: the kernels read the packed queries, k, v and the mask/bias
-    rows in place and split each row's key blocks themselves (fwd_launch.flash_fwd's
-    key_chunks)."""
+    runs every chunk of every row: the kernels read the packed queries, k, v (or their pages)
+    and the mask/bias rows in place and split each row's key blocks themselves
+    (fwd_launch.flash_fwd's key_chunks and block_table)."""
     # stride 0 on size-1 dims, as make_problem views the operands (e.g. the kv-cache API's
     # lengths rows [B, 1, 1, Sk] come from indexing with None)
     mask, bias = broadcast_view(mask), broadcast_view(bias)
     queries = _packed_queries(q, k.shape[2])
-    problem, _, _ = make_problem(
-        queries, k, v, None, None, softmax_scale, False, softcap, (-1, -1), False
-    )
+    problem = _packed_problem(queries, k, softmax_scale, softcap, block_table)
     problem = dataclasses.replace(problem, batch=problem.batch * splits)
-    out, lse, _ = flash_fwd(problem, queries, k, v, mask, bias, key_chunks=splits)
+    table = None if block_table is None else block_table.to(torch.int32)
+    out, lse, _ = flash_fwd(
+        problem, queries, k, v, mask, bias, key_chunks=splits, block_table=table
+    )  # fmt: skip
     return out, lse
+
+
+def _packed_problem(queries, k, softmax_scale, softcap, block_table=None) -> Problem:
+    """The problem of packed queries against k [B, Sk, Hkv, D], or against a page pool k
+    [pages, page_size, Hkv, D] with block_table [B, pages per row] (its rows' keys, viewed
+    without memory as [B, Sk, Hkv, D])."""
+    if block_table is not None:
+        rows, per_row = block_table.shape
+        k = k[:1, :1].expand(rows, per_row * k.shape[1], *k.shape[2:])
+    problem, _, _ = make_problem(
+        queries, k, k, None, None, softmax_scale, False, softcap, (-1, -1), False
+    )
+    return problem
+
+
+def reads_pages(
+    q: Tensor, k: Tensor, block_table: Tensor, mask, bias, softmax_scale, softcap
+) -> bool:
+    """Whether packed_decode reads a paged cache (k: its page pool) in place: on eager CUDA,
+    with a kernel that reads pages (Hopper) whose key tile divides the page size."""
+    if not eager_cuda(q):
+        return False
+    queries = _packed_queries(q, k.shape[2])
+    problem = _packed_problem(queries, k, softmax_scale, softcap, block_table)
+    mask, bias = broadcast_view(mask), broadcast_view(bias)
+    tile_n = paged_tile_n(problem, mask, bias, target_arch(q.device))
+    return tile_n is not None and k.shape[1] % tile_n == 0
 
 
 def _forward(q, k, v, mask, bias, softmax_scale, softcap) -> tuple[Tensor, Tensor]:
@@ -265,4 +302,5 @@ __all__ = [
     "decode_step",
     "packable",
     "packed_decode",
+    "reads_pages",
 ]

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from dmattn_cute.attention import flash_dmattn_func
-from dmattn_cute.decode import decode_splits, packable, packed_decode
+from dmattn_cute.decode import decode_splits, packable, packed_decode, reads_pages
 from dmattn_cute.kernels.bwd_launch import sm_count
 from dmattn_cute.problem import broadcast_view, check_bool, check_broadcast, check_window_size
 
@@ -119,13 +119,6 @@ def flash_dmattn_with_kvcache(
                 cache_index = cache_index[:, None]
             k_cache[cache_index, slots] = k
             v_cache[cache_index, slots] = v
-        # the cache rows of this batch (gathered when cache_batch_idx or pages say where)
-        if pages is not None:
-            keys = k_cache[pages].flatten(1, 2)  # [B, pages, page_size, ...] -> [B, Sk_cache, ...]
-            values = v_cache[pages].flatten(1, 2)
-        else:
-            keys = k_cache if rows is None else k_cache[rows]
-            values = v_cache if rows is None else v_cache[rows]
         mask = None if attn_mask is None else broadcast_view(attn_mask)
         causal, window = is_causal, (left, right)
         # Every row holds the whole cache (known on the host): the kernels' own bottom-right
@@ -137,9 +130,26 @@ def flash_dmattn_with_kvcache(
             mask = visible if mask is None else visible & mask
             causal, window = False, (-1, -1)
         bias = None if attn_bias is None else broadcast_view(attn_bias)
+        splits = decode_splits(batch, heads_kv, seqlen_cache, _sms(q.device))
+        if (
+            pages is not None
+            and packable(q, k_cache, (mask, bias))
+            and reads_pages(q, k_cache, pages, mask, bias, softmax_scale, softcap)
+        ):
+            # one query per row, the pages read where they are
+            out, lse = packed_decode(
+                q, k_cache, v_cache, mask, bias, softmax_scale, softcap, splits, pages
+            )  # fmt: skip
+            return (out, lse) if return_lse else out
+        # the cache rows of this batch (gathered when cache_batch_idx or pages say where)
+        if pages is not None:
+            keys = k_cache[pages].flatten(1, 2)  # [B, pages, page_size, ...] -> [B, Sk_cache, ...]
+            values = v_cache[pages].flatten(1, 2)
+        else:
+            keys = k_cache if rows is None else k_cache[rows]
+            values = v_cache if rows is None else v_cache[rows]
         if packable(q, keys, (mask, bias)):
             # one query per row: the group's heads packed as rows, the keys split in chunks
-            splits = decode_splits(batch, heads_kv, seqlen_cache, _sms(q.device))
             out, lse = packed_decode(q, keys, values, mask, bias, softmax_scale, softcap, splits)
             return (out, lse) if return_lse else out
         return flash_dmattn_func(

@@ -266,6 +266,17 @@ def test_hopper_dense_walk_register_split() -> None:
     assert splits(fwd_ptx("sm_90a", plain)) == {("dec", 24), ("inc", 240)}
 
 
+@pytest.mark.parametrize("mask", [ROW_MASK, None], ids=["mask", "no-mask"])
+def test_hopper_paged_forward_compiles(mask) -> None:
+    """The forward that reads K and V from a page pool (a paged kv cache's decode step) builds
+    for sm_90a with its TMA loads, in its decode tiling (with a mask) and its plain one."""
+    spec = Sm90FwdSpec.build(
+        "sm_90a", "bf16", 128, mask, ROW_BIAS, False, False, mask is not None, False, True
+    )
+    assert spec.paged
+    check_fwd_ptx("sm_90a", fwd_ptx("sm_90a", spec))
+
+
 def bwd_spec_for(
     target: str,
     head_dim: int,

@@ -225,3 +225,85 @@ def test_paged_cache_matches_the_contiguous_one(device, causal):
     assert torch.equal(paged, flat)
     assert torch.equal(k_pages[table].flatten(1, 2), k_flat)
     assert torch.equal(v_pages[table].flatten(1, 2), v_flat)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_paged_decode_reads_the_pages_in_place(monkeypatch, page_size, with_mask):
+    """A decode step on a paged cache whose pages hold whole key tiles of the Hopper kernel
+    (64 keys with a mask at <= 64 query rows, 128 without, at D 128) reads the pool where it
+    is (no gathered copy: the kernels get the pool and the table); other pages are gathered
+    first. Either way it gives the contiguous cache's output and lse, bit for bit (the same
+    kernel, splits and key order). Pages outside the table hold NaN: a read of a wrong page
+    shows."""
+    from dmattn_cute import kvcache
+    from dmattn_cute.jit.arch import hopper_kernels, target_arch
+
+    device, batch, heads, heads_kv, head_dim, seqlen = "cuda", 3, 8, 2, 128, 2048
+    data = make_cache(device, batch=batch, cache_len=seqlen, heads=heads, heads_kv=heads_kv,
+                      head_dim=head_dim, seed=page_size)  # fmt: skip
+    gen = data["gen"]
+    q, (k_new, v_new) = data["q"](1), data["new"](1)
+    k_flat, v_flat = data["k_cache"], data["v_cache"]
+    per_row, spare = seqlen // page_size, 5
+    order = torch.randperm(batch * per_row + spare, device=device, generator=gen)
+    table = order[: batch * per_row].view(batch, per_row)
+    pool = (batch * per_row + spare, page_size, heads_kv, head_dim)
+    k_pages = torch.full(pool, float("nan"), device=device, dtype=q.dtype)
+    v_pages = torch.full(pool, float("nan"), device=device, dtype=q.dtype)
+    k_pages[table] = k_flat.view(batch, per_row, page_size, heads_kv, head_dim)
+    v_pages[table] = v_flat.view(batch, per_row, page_size, heads_kv, head_dim)
+    lengths = torch.tensor([seqlen - 1, 1000, 77], dtype=torch.int32, device=device)
+    mask = None
+    if with_mask:
+        mask = torch.rand(batch, heads_kv, 1, seqlen, generator=gen, device=device) < 0.3
+    bias = torch.randn(batch, heads_kv, 1, seqlen, generator=gen, device=device, dtype=q.dtype)
+    options = {"cache_seqlens": lengths, "attn_mask": mask, "attn_bias": bias, "return_lse": True}
+
+    seen = []
+    run = kvcache.packed_decode
+
+    def spy(*args):
+        seen.append(args)
+        return run(*args)
+
+    monkeypatch.setattr(kvcache, "packed_decode", spy)
+    paged, paged_lse = flash_dmattn_with_kvcache(
+        q, k_pages, v_pages, k_new, v_new, block_table=table, **options
+    )
+    ((_, k_seen, v_seen, *rest),) = seen
+    in_place = hopper_kernels(target_arch(q.device)) and page_size % (64 if with_mask else 128) == 0
+    if in_place:  # the pool itself, with its table
+        assert k_seen is k_pages and v_seen is v_pages and torch.equal(rest[-1], table)
+    else:  # the rows gathered: [B, Sk, Hkv, D], no table
+        assert k_seen.shape == k_flat.shape and len(rest) == 5
+    flat, flat_lse = flash_dmattn_with_kvcache(q, k_flat, v_flat, k_new, v_new, **options)
+    assert torch.equal(paged, flat) and torch.equal(paged_lse, flat_lse)
+    assert not paged.isnan().any()
+    # the new keys landed in their pages
+    assert torch.equal(k_pages[table].flatten(1, 2), k_flat)
+    assert torch.equal(v_pages[table].flatten(1, 2), v_flat)
+    # and the output is the reference's over each row's keys
+    totals = (lengths + 1).tolist()
+    ref, ref_lse, lowp = expected(q, k_flat, v_flat, range(batch), totals, mask, bias)
+    check_close("out", paged, ref, lowp, q.dtype)
+    torch.testing.assert_close(paged_lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_paged_forward_refuses_pages_that_split_a_key_tile():
+    """flash_fwd's block_table: a page that does not hold whole key tiles, or a table of
+    another dtype, is refused before any launch."""
+    from dmattn_cute.decode import _packed_problem, _packed_queries
+    from dmattn_cute.kernels.fwd_launch import flash_fwd
+
+    q = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(16, 32, 2, 64, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(16, device="cuda", dtype=torch.int32).view(2, 8)
+    queries = _packed_queries(q, 2)
+    problem = _packed_problem(queries, pool, None, 0.0, table)
+    with pytest.raises(ValueError, match="page_size 32 is not a multiple of the key tile"):
+        flash_fwd(problem, queries, pool, pool, None, None, block_table=table)
+    with pytest.raises(ValueError, match="block_table: expected int32"):
+        flash_fwd(problem, queries, pool, pool, None, None, block_table=table.long())

@@ -105,9 +105,11 @@ def _build(
     bias: OperandSpec | None,
     arch: str,
     block_mask: bool = False,
+    paged: bool = False,
 ) -> FwdSpec | Sm90FwdSpec:
     """block_mask: the Hopper kernel's bits will be a block mask's, whose query blocks the
-    launch orders (launch_order.forward_order)."""
+    launch orders (launch_order.forward_order); paged: K and V come from a page pool
+    (flash_fwd's block_table; the Hopper kernel only)."""
     family = forward_family(arch)
     args = (
         arch, dtype_name(problem.dtype), problem.head_dim, mask, bias, problem.has_window,
@@ -116,7 +118,9 @@ def _build(
     if family is Sm90FwdSpec:
         # narrow key tiles pay only where a mask skips them; without one they double the walk
         short = problem.seqlen_q <= SHORT_QUERY_ROWS and mask is not None
-        return family.build(*args, short, block_mask)
+        return family.build(*args, short, block_mask, paged)
+    if paged:
+        raise ValueError(f"block_table: the kernels of {arch} read no paged cache")
     return family.build(*args)
 
 
@@ -151,9 +155,11 @@ def _plan(
     key_chunks: int,
     block_mask: bool,
     scans: bool,
+    paged: bool,
 ) -> _FwdPlan:
     mask_spec = operand_spec(mask, problem.seqlen_k)
-    spec = _build(problem, mask_spec, operand_spec(bias, problem.seqlen_k), arch, block_mask)
+    bias_spec = operand_spec(bias, problem.seqlen_k)
+    spec = _build(problem, mask_spec, bias_spec, arch, block_mask, paged)
     scalars = kernel_scalars(FwdScalars, problem, mask, bias)._replace(key_chunks=key_chunks)
     if key_chunks > 1:
         refusal = key_chunks_refusal(problem, mask, bias, key_chunks)
@@ -192,15 +198,17 @@ def _plan_of(
     key_chunks: int = 1,
     block_mask: bool = False,
     scans: bool = True,
+    paged: bool = False,
 ) -> _FwdPlan:
     """The plan of a call; block_mask: the mask's bits are a block mask's; scans: a pre-pass
-    scans the mask (not for a block mask alone)."""
+    scans the mask (not for a block mask alone); paged: K and V come from a page pool."""
     key = (
         problem, arch, hopper_kernels(arch), kernel_layout(mask), kernel_layout(bias), key_chunks,
-        block_mask, scans,
+        block_mask, scans, paged,
     )  # fmt: skip
     return remember(
-        _PLANS, key, lambda: _plan(problem, mask, bias, arch, key_chunks, block_mask, scans),
+        _PLANS, key,
+        lambda: _plan(problem, mask, bias, arch, key_chunks, block_mask, scans, paged),
         _PLANS_MAX,
     )  # fmt: skip
 
@@ -261,6 +269,7 @@ def flash_fwd(
     bits: torch.Tensor | None = None,
     key_expiry: torch.Tensor | None = None,
     key_chunks: int = 1,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward on CUDA tensors; returns out [B, Sq, H, D], lse [B, H, Sq] fp32 and
     the backward's softmax stats [B, H, 2, Sq] fp32 (per row: the max score in accumulator
@@ -282,11 +291,19 @@ def flash_fwd(
     and mask/bias [1 or B, Hm, Qm, Km] (problem.seqlen_k: all of a row's keys); the chunks
     hold as many visible blocks each where the Hopper kernel has block bits and the row is
     short enough, else as many blocks (masking.chunk_block_range). Not with a block mask,
-    bits or an expiry.
+    bits or an expiry. block_table: int32 [B, pages per row] (the Hopper kernel only): k and
+    v are a pool of pages [pages, page_size, Hkv, D] and row b's key p is slot p % page_size
+    of page block_table[b, p // page_size] (problem.seqlen_k: pages per row x page_size;
+    page_size a multiple of the variant's key tile, paged_tile_n). Not with a block mask,
+    bits or an expiry either.
     """
     if key_chunks > 1 and (block_mask is not None or bits is not None or key_expiry is not None):
         raise ValueError("key_chunks: not with a block mask, given bits or a key expiry")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    rows = [("q", q)] if block_table is not None else [("q", q), ("k", k), ("v", v)]
+    if block_table is not None:
+        _check_pages(problem, k, v, block_table, block_mask, bits, key_expiry)
+        rows.append(("block_table", block_table))
+    for name, t in rows:
         if t.shape[0] * key_chunks != problem.batch:
             raise ValueError(
                 f"{name}: expected {problem.batch // key_chunks} rows for {problem.batch} batch "
@@ -318,11 +335,16 @@ def flash_fwd(
             device=q.device,
         )  # fmt: skip
     scans = blocks is None or mask_given  # (a block mask alone needs no pre-pass)
-    plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None, scans)
+    paged = block_table is not None
+    if paged and k.shape[1] % (tile_n := paged_tile_n(problem, mask, bias, arch) or 1):
+        raise ValueError(
+            f"block_table: page_size {k.shape[1]} is not a multiple of the key tile {tile_n}"
+        )
+    plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None, scans, paged)
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, None, *plan.scalars)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, None, None, *plan.scalars)
     elif plan.bits_shape is not None:
         if bits is not None:
             if blocks is not None or tuple(bits.shape) != plan.bits_shape:
@@ -348,12 +370,41 @@ def flash_fwd(
                 blocks, from_blocks, problem, tile_m, tile_n,
                 spec.section_heads(problem.seqlen_k, group, pairs),
             )  # fmt: skip
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, *plan.scalars)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, block_table, *plan.scalars)
     elif isinstance(plan.spec, Sm90FwdSpec):
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, None, *plan.scalars)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, None, block_table, *plan.scalars)
     else:
         plan.kernel(q, k, v, out, lse, stats, mask, bias, *plan.scalars)
     return out, lse, stats
+
+
+def _check_pages(problem: Problem, k, v, block_table, block_mask, bits, key_expiry) -> None:
+    """flash_fwd's block_table against its page pools k, v."""
+    if block_mask is not None or bits is not None or key_expiry is not None:
+        raise ValueError("block_table: not with a block mask, given bits or a key expiry")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(
+            f"block_table: expected int32 [B, pages per row], got {block_table.dtype} "
+            f"{tuple(block_table.shape)}"
+        )
+    if v.shape != k.shape or k.shape[1] * block_table.shape[1] != problem.seqlen_k:
+        raise ValueError(
+            f"k, v: expected page pools [pages, page_size, Hkv, D] with page_size x "
+            f"{block_table.shape[1]} pages = {problem.seqlen_k} keys per row, got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
+
+
+def paged_tile_n(
+    problem: Problem, mask: torch.Tensor | None, bias: torch.Tensor | None, arch: str
+) -> int | None:
+    """The key tile a paged forward of this problem would read (its pages must hold a whole
+    number of them), or None where no kernel of `arch` reads pages (mask/bias: 4-D views)."""
+    if not hopper_kernels(arch):
+        return None
+    mask, bias = operand_view(mask), operand_view(bias)
+    spec = fwd_spec(problem, mask, bias, arch)
+    return spec.tile.tile_n
 
 
 __all__ = [
@@ -364,4 +415,5 @@ __all__ = [
     "forward_variants",
     "fwd_spec",
     "key_chunks_refusal",
+    "paged_tile_n",
 ]

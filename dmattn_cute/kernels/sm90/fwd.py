@@ -119,6 +119,10 @@ class Sm90FwdSpec:
     # The CTAs take their (batch, head, query block) from an order the launch gives: a block
     # mask's, sorted by visible key blocks, most first (launch_order.forward_order).
     ordered: bool = False
+    # K and V come from a pool of pages [pages, page_size, Hkv, D] (a paged kv cache): key
+    # block n of row b is block n % (page_size / tile_n) of page pages[b, n * tile_n /
+    # page_size]; page_size is a multiple of tile_n (fwd_launch.flash_fwd's block_table).
+    paged: bool = False
 
     @staticmethod
     @functools.cache  # called on every launch; the tile search is pure
@@ -132,14 +136,17 @@ class Sm90FwdSpec:
         has_softcap: bool,
         short_queries: bool = False,
         block_mask: bool = False,
+        paged: bool = False,
     ) -> Sm90FwdSpec:
         """short_queries: at most config.SHORT_QUERY_ROWS query rows (narrower key tiles);
         block_mask: the mask's bits are a block mask's, whose query blocks the launch orders
-        (Sm90BwdSpec.build's block_mask the same)."""
+        (Sm90BwdSpec.build's block_mask the same); paged: see the field."""
         dp = padded_head_dim(head_dim)
         smem = _smem_operands(mask, bias)
         tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem, short_queries)
-        return Sm90FwdSpec(dtype, dp, tile, mask, bias, has_window, has_softcap, block_mask)
+        return Sm90FwdSpec(
+            dtype, dp, tile, mask, bias, has_window, has_softcap, block_mask, paged
+        )  # fmt: skip
 
     def section_heads(self, seqlen_k: int, group: int, pairs: int) -> int:
         """(batch, query head) pairs per L2 section of the launch order (h fastest, then the
@@ -167,7 +174,10 @@ class Sm90FwdSpec:
         mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
         bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
         order = fake_tensor("i32", ("1",), 4) if self.ordered else None
-        return [q, k, v, out, lse, stats, mask, bias, bits, order, *FwdScalars(), env_stream()]
+        pages = fake_tensor("i32", ("d", "1"), 4) if self.paged else None
+        return [
+            q, k, v, out, lse, stats, mask, bias, bits, order, pages, *FwdScalars(), env_stream()
+        ]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
         return cute.compile(
@@ -242,6 +252,7 @@ class FlashFwdSm90:
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
         mOrder: cute.Tensor | None,  # [B * H * query blocks] int32 (spec.ordered)
+        mPages: cute.Tensor | None,  # [B, pages per row] int32 (spec.paged)
         scale_log2: cutlass.Float32,
         bias_scale: cutlass.Float32,
         softcap_scale: cutlass.Float32,
@@ -302,9 +313,12 @@ class FlashFwdSm90:
                 )
         # batch from O: with key chunks every chunk of a row is a batch entry
         grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mO.shape[0])
+        seqlen_k = mK.shape[1]
+        if cutlass.const_expr(self.spec.paged):
+            seqlen_k = mPages.shape[1] * mK.shape[1]  # a row's pages, page_size keys each
         self.kernel(
-            tQ, tK, tV, tO, mQ.shape[1], mK.shape[1], mLSE, mStats, mMask, mBias, mBits,
-            mOrder, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
+            tQ, tK, tV, tO, mQ.shape[1], seqlen_k, mLSE, mStats, mMask, mBias, mBits,
+            mOrder, mPages, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
             window_left, window_right, mask_head_div, bias_head_div, group, key_chunks,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
             sBias_layout,
@@ -366,6 +380,7 @@ class FlashFwdSm90:
         mBias: cute.Tensor | None,
         mBits: cute.Tensor | None,
         mOrder: cute.Tensor | None,
+        mPages: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -484,7 +499,7 @@ class FlashFwdSm90:
                 tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
                 pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
                 n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k,
-                tma_bias, tBias, sBias,
+                tma_bias, tBias, sBias, mPages,
             )  # fmt: skip
             self.walk(self.produce, args, bits, n_block_min, n_block_max, producer=True)
         else:
@@ -593,7 +608,7 @@ class FlashFwdSm90:
         self, tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
         pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
         n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
-        tBias, sBias, dense: cutlass.Constexpr[bool] = False,
+        tBias, sBias, mPages, dense: cutlass.Constexpr[bool] = False,
     ):  # fmt: skip
         """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
         block from the last to the first, each into the next free stage (b_op: the row of Q,
@@ -608,14 +623,11 @@ class FlashFwdSm90:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
-        gK = cute.local_tile(tK[None, None, hk, b_op], (tn, dp), (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        gV = cute.local_tile(tV[None, None, hk, b_op], (tn, dp), (None, 0))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
+        tKsK, tKgK = self.kv_tiles(tma_k, tK, sK, hk, b_op)
+        tVsV, tVgV = self.kv_tiles(tma_v, tV, sV, hk, b_op)
+        page_blocks = cutlass.Int32(1)  # key blocks per page (paged)
+        if cutlass.const_expr(spec.paged):
+            page_blocks = cutlass.Int32(tK.shape[0] // tn)
         tBsB = tBgB = None
         if cutlass.const_expr(self.bias_tma):
             coord = [None] * (1 if self.bias_row else 2) + [
@@ -659,6 +671,7 @@ class FlashFwdSm90:
             walk_bits, n_block_max - 1, n_block_min, cutlass.Int32(-1), cutlass.Int32(0),
             cutlass.Int32(0),
         )  # fmt: skip
+        page = self.page_of(mPages, b_op, n_block, n_block_min, page_blocks)
         while n_block >= n_block_min:
             # Bias and mask first: the consumers read the bias before the block's first GEMM,
             # and their stage frees a block earlier than V's (whose acquire waits for the
@@ -686,20 +699,50 @@ class FlashFwdSm90:
                 loads["bias"].load(n_block, state.index)
                 operands.tiles_landed(pipe_tiles, state, spec.mask, spec.bias)
             if warp == 0:
+                k_stages, k_blocks, v_stages, v_blocks = tKsK, tKgK, tVsV, tVgV
+                block = n_block
+                if cutlass.const_expr(spec.paged):
+                    k_stages, k_blocks = self.kv_tiles(tma_k, tK, sK, hk, page)
+                    v_stages, v_blocks = self.kv_tiles(tma_v, tV, sV, hk, page)
+                    block = n_block % page_blocks
                 pipe_k.producer_acquire(state)
                 cute.copy(
-                    tma_k, tKgK[None, n_block], tKsK[None, state.index],
+                    tma_k, k_blocks[None, block], k_stages[None, state.index],
                     tma_bar_ptr=pipe_k.producer_get_barrier(state),
                 )  # fmt: skip
                 pipe_v.producer_acquire(state)
                 cute.copy(
-                    tma_v, tVgV[None, n_block], tVsV[None, state.index],
+                    tma_v, v_blocks[None, block], v_stages[None, state.index],
                     tma_bar_ptr=pipe_v.producer_get_barrier(state),
                 )  # fmt: skip
             state.advance()
             n_block, top, visible, full_bits = self.prev_visible(
                 walk_bits, n_block - 1, n_block_min, top, visible, full_bits
             )
+            page = self.page_of(mPages, b_op, n_block, n_block_min, page_blocks)
+
+    @cute.jit
+    def kv_tiles(self, tma: cute.CopyAtom, tX: cute.Tensor, sX: cute.Tensor, hk, row):
+        """(smem stages, gmem key blocks) TMA partitions of K or V of kv head hk in batch row
+        `row`, or in page `row` of a pool (spec.paged)."""
+        gX = cute.local_tile(
+            tX[None, None, hk, row], (self.tile_n, self.head_dim_padded), (None, 0)
+        )
+        return cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+        )
+
+    @cute.jit
+    def page_of(self, mPages: cute.Tensor | None, b_op, n_block, n_block_min, page_blocks):
+        """The page that holds key block n_block of row b_op (spec.paged; else 0). Loaded a
+        block ahead of its use: the load's latency passes under the producer's wait for a
+        free stage. Past the walk (n_block < n_block_min, or an empty one) it reads a page of
+        the row that exists."""
+        page = cutlass.Int32(0)
+        if cutlass.const_expr(self.spec.paged):
+            index = cutlass.max(n_block, n_block_min) // page_blocks
+            page = mPages[b_op, cutlass.min(index, mPages.shape[1] - 1)]
+        return page
 
     @cute.jit
     def consume(
