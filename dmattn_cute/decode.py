@@ -171,7 +171,9 @@ def _forward_chunks(
     queries = _packed_queries(q, k.shape[2])
     problem = _packed_problem(queries, k, softmax_scale, softcap, block_table)
     problem = dataclasses.replace(problem, batch=problem.batch * splits)
-    table = None if block_table is None else block_table.to(torch.int32)
+    table = block_table
+    if block_table is not None and block_table.dtype != torch.int32:
+        table = block_table.to(torch.int32)
     out, lse, _ = flash_fwd(
         problem, queries, k, v, mask, bias, key_chunks=splits, block_table=table
     )  # fmt: skip

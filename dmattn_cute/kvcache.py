@@ -14,9 +14,9 @@ This is the inference API: it runs without autograd. Today it runs the attention
 the whole cache length; unless every row fills the cache (an int cache_seqlens, or the
 default), the per-row lengths (and causal/window limits) become a boolean mask
 [B, 1, Sq, Sk_cache] combined with the caller's mask, so key blocks past a row's length are
-skipped whole; a paged cache (block_table) is first gathered into a contiguous copy. A
-split-KV decode kernel with per-row lengths and pages in the kernel is the next step (issue
-16). Until then the cache slots past a row's length must hold finite values (a cache made
+skipped whole. A paged cache (block_table) is read in place by the decode step on SM90 where
+its pages hold whole key tiles, else first gathered into a contiguous copy. Per-row lengths
+in the kernel (no mask) are the next step (issue 16). Until then the cache slots past a row's length must hold finite values (a cache made
 with torch.zeros, or one only ever written by this function): the key block that holds a
 row's last keys is read whole, and a masked key's weight 0 times a NaN value is NaN, in the
 kernels as in the reference.
@@ -54,18 +54,21 @@ def flash_dmattn_with_kvcache(
 
     q: [B, Sq, H, D]; k_cache, v_cache: [Bc, Sk_cache, Hkv, D] (Bc = B, or any size with
     cache_batch_idx), q's dtype and device; or, paged, [num_pages, page_size, Hkv, D] with
-    block_table: integer [B, pages_per_row], row b's key p at page block_table[b, p //
-    page_size], slot p % page_size (Sk_cache = pages_per_row * page_size; no cache_batch_idx). k, v: [B, Snew, Hkv, D] or None (both or
-    neither). cache_seqlens: the valid keys of each row before the append, an int or an
+    block_table: integer [B, pages_per_row] (int32 is read as is), row b's key p at page
+    block_table[b, p // page_size], slot p % page_size (Sk_cache = pages_per_row * page_size;
+    no cache_batch_idx; its values are checked except while a CUDA graph is captured). k, v:
+    [B, Snew, Hkv, D] or None (both or neither). cache_seqlens: the valid keys of each row before the append, an int or an
     integer tensor [B] (default: the whole cache, Sk_cache - Snew). cache_batch_idx: integer
     [B], the cache row of each batch row (default: row b). attn_mask (bool, True = attend) and
     attn_bias broadcast as in flash_dmattn_func over [B, H, Sq, Sk_cache]. Returns out
     [B, Sq, H, D] and, with return_lse, lse [B, H, Sq] (natural log; -inf for a query that
     sees no key, whose output is 0).
 
-    A paged cache is gathered into a contiguous [B, Sk_cache, Hkv, D] copy for the attention
-    (the new keys and values are written into their pages in place); a paged decode kernel
-    that reads the pages where they are is the next step (issue 16).
+    A decode step (Sq = 1, packable) on SM90 reads a paged cache where it is when a page holds
+    whole key tiles of its kernel (decode.reads_pages; at head dim 128, page_size a multiple
+    of 64 with a mask or per-row lengths, of 128 without); otherwise the pages are gathered
+    into a contiguous [B, Sk_cache, Hkv, D] copy for the attention. The new keys and values are
+    written into their pages in place either way.
     Raises TypeError / ValueError on bad input before anything is written.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -194,7 +197,9 @@ def _cache_rows(
 def _check_block_table(
     block_table: object, cache_batch_idx: object, batch: int, num_pages: int, device
 ) -> Tensor:
-    """block_table as a long tensor [B, pages_per_row] of pages in [0, num_pages)."""
+    """block_table on q's device as an int32 or int64 tensor [B, pages_per_row] (int32 kept:
+    the kernels read it as is) of pages in [0, num_pages); its values are not read while a
+    CUDA graph is captured (no device read can be)."""
     if cache_batch_idx is not None:
         raise ValueError("cache_batch_idx: not with block_table (the table says where rows are)")
     if not isinstance(block_table, Tensor) or block_table.dtype.is_floating_point:
@@ -204,7 +209,11 @@ def _check_block_table(
             f"block_table: expected shape [B={batch}, pages_per_row >= 1], got "
             f"{tuple(block_table.shape)}"
         )
-    pages = block_table.to(device=device, dtype=torch.long)
+    pages = block_table.to(device=device)
+    if pages.dtype not in (torch.int32, torch.int64):
+        pages = pages.long()
+    if pages.is_cuda and torch.cuda.is_current_stream_capturing():
+        return pages
     low, high = int(pages.min()), int(pages.max())
     if low < 0 or high >= num_pages:
         raise ValueError(f"block_table: expected pages in [0, {num_pages}), got {low}..{high}")

@@ -69,7 +69,7 @@ def test_split_decode_reads_the_operand_rows_in_place(monkeypatch, mask_heads, b
     mask4, bias4 = broadcast_view(mask), broadcast_view(bias)
     out, lse = packed_decode(q, k, v, mask4, bias4, None, 0.0, 4)
     ((args, kwargs),) = calls
-    assert kwargs == {"key_chunks": 4}
+    assert kwargs == {"key_chunks": 4, "block_table": None}
     queries = args[1]  # q's storage: one entry per row, read by every chunk of the row
     assert queries.shape == (b, h // hkv, hkv, d) and queries.data_ptr() == q.data_ptr()
     assert args[2] is k and args[3] is v  # whole rows: the kernel splits their key blocks

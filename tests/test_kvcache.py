@@ -229,14 +229,14 @@ def test_paged_cache_matches_the_contiguous_one(device, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [64, 128, 256])
-@pytest.mark.parametrize("with_mask", [True, False])
-def test_paged_decode_reads_the_pages_in_place(monkeypatch, page_size, with_mask):
+@pytest.mark.parametrize("rows", ["mask", "lengths", "whole"])
+def test_paged_decode_reads_the_pages_in_place(monkeypatch, page_size, rows):
     """A decode step on a paged cache whose pages hold whole key tiles of the Hopper kernel
-    (64 keys with a mask at <= 64 query rows, 128 without, at D 128) reads the pool where it
-    is (no gathered copy: the kernels get the pool and the table); other pages are gathered
-    first. Either way it gives the contiguous cache's output and lse, bit for bit (the same
-    kernel, splits and key order). Pages outside the table hold NaN: a read of a wrong page
-    shows."""
+    reads the pool where it is (the kernels get the pool and the table); other pages are
+    gathered first. The key tile is 64 with a mask (an attn_mask, or the one per-row lengths
+    make), 128 without (the whole cache, no attn_mask), at D 128. Either way the step gives
+    the contiguous cache's output and lse bit for bit (the same kernel, splits and key
+    order), and the reference's. Pages outside the table hold NaN: a read of one shows."""
     from dmattn_cute import kvcache
     from dmattn_cute.jit.arch import hopper_kernels, target_arch
 
@@ -254,12 +254,16 @@ def test_paged_decode_reads_the_pages_in_place(monkeypatch, page_size, with_mask
     v_pages = torch.full(pool, float("nan"), device=device, dtype=q.dtype)
     k_pages[table] = k_flat.view(batch, per_row, page_size, heads_kv, head_dim)
     v_pages[table] = v_flat.view(batch, per_row, page_size, heads_kv, head_dim)
-    lengths = torch.tensor([seqlen - 1, 1000, 77], dtype=torch.int32, device=device)
-    mask = None
-    if with_mask:
+    lengths, mask = [seqlen - 1] * batch, None
+    if rows != "whole":
+        lengths = [seqlen - 1, 1000, 77]
+    if rows == "mask":
         mask = torch.rand(batch, heads_kv, 1, seqlen, generator=gen, device=device) < 0.3
     bias = torch.randn(batch, heads_kv, 1, seqlen, generator=gen, device=device, dtype=q.dtype)
-    options = {"cache_seqlens": lengths, "attn_mask": mask, "attn_bias": bias, "return_lse": True}
+    options = {
+        "cache_seqlens": None if rows == "whole" else torch.tensor(lengths, device=device),
+        "attn_mask": mask, "attn_bias": bias, "return_lse": True,
+    }  # fmt: skip
 
     seen = []
     run = kvcache.packed_decode
@@ -273,8 +277,9 @@ def test_paged_decode_reads_the_pages_in_place(monkeypatch, page_size, with_mask
         q, k_pages, v_pages, k_new, v_new, block_table=table, **options
     )
     ((_, k_seen, v_seen, *rest),) = seen
-    in_place = hopper_kernels(target_arch(q.device)) and page_size % (64 if with_mask else 128) == 0
-    if in_place:  # the pool itself, with its table
+    tile_n = 128 if rows == "whole" else 64
+    if hopper_kernels(target_arch(q.device)) and page_size % tile_n == 0:
+        # the pool itself, with its table
         assert k_seen is k_pages and v_seen is v_pages and torch.equal(rest[-1], table)
     else:  # the rows gathered: [B, Sk, Hkv, D], no table
         assert k_seen.shape == k_flat.shape and len(rest) == 5
@@ -284,8 +289,7 @@ def test_paged_decode_reads_the_pages_in_place(monkeypatch, page_size, with_mask
     # the new keys landed in their pages
     assert torch.equal(k_pages[table].flatten(1, 2), k_flat)
     assert torch.equal(v_pages[table].flatten(1, 2), v_flat)
-    # and the output is the reference's over each row's keys
-    totals = (lengths + 1).tolist()
+    totals = [length + 1 for length in lengths]
     ref, ref_lse, lowp = expected(q, k_flat, v_flat, range(batch), totals, mask, bias)
     check_close("out", paged, ref, lowp, q.dtype)
     torch.testing.assert_close(paged_lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
