@@ -10,7 +10,8 @@ the bias by TMA in the forward), 7 queries of the first (on Hopper: the short-qu
 64-key tiles), a causal one without mask or bias, one with a block mask and one causal (on
 Hopper: its bits, the CTAs in its launch order), a causal one with top-w expiry rows
 (key_expiry) whose backward splits its walks, and decode steps through the kv-cache API (its
-chunks' outputs merged by the combine kernel).
+chunks' outputs merged by the combine kernel), the last on a paged cache (on Hopper: its pages
+read in place).
 """
 
 from __future__ import annotations
@@ -108,6 +109,19 @@ def main() -> None:
         err = (out.float() - ref_step.float()).abs().max().item()
         print(f"decode, cache {seqlen_cache}: max abs err out {err:.3e}")
         assert err < 2e-2 and lse.isfinite().all()
+    # a cache of 1024 keys in pages of 64, shuffled in a pool
+    n = 1024
+    pages = torch.randperm(2 * n // 64, device="cuda", dtype=torch.int32).view(2, n // 64)
+    pool = [torch.empty(2 * n // 64, 64, hkv, d, **kw) for _ in range(2)]
+    for part in pool:
+        part[pages.long()] = torch.randn(2, n // 64, 64, hkv, d, **kw)
+    row_mask = torch.rand(2, hkv, 1, n, device="cuda") < 0.3
+    out = flash_dmattn_with_kvcache(step, *pool, attn_mask=row_mask, block_table=pages)
+    keys, values = (part[pages.long()].flatten(1, 2) for part in pool)
+    ref_step, _ = attention_ref(step, keys, values, row_mask, None)
+    err = (out.float() - ref_step.float()).abs().max().item()
+    print(f"decode, paged cache {n}: max abs err out {err:.3e}")
+    assert err < 2e-2
 
 
 if __name__ == "__main__":
