@@ -1,10 +1,11 @@
 """Offline compile of the kernels into the disk cache; no GPU needed.
 
     python -m dmattn_cute.precompile --arch sm_89 [--head-dims 64 128] [--dtypes bf16 fp16]
-        [--cache-dir DIR] [--softcap] [--deterministic] [--decode] [--jobs N] [--list]
+        [--cache-dir DIR] [--softcap] [--deterministic] [--decode [--paged]] [--jobs N] [--list]
 
 The variants are those that the common call patterns below run (with --decode, also the
-decode steps of flash_dmattn_with_kvcache), found by planning each call on meta tensors
+decode steps of flash_dmattn_with_kvcache; with --paged too, those steps on a paged cache,
+which SM90 reads in place), found by planning each call on meta tensors
 through the same code the launches use, so a GPU of that architecture later loads every one
 of them from the cache with zero compiles. Other calls (odd key lengths, other broadcast
 shapes, ...) compile on first use and are cached then.
@@ -151,6 +152,7 @@ class DecodePattern:
     operands: str
     heads: tuple[int, int]
     softcap: float = 0.0
+    paged: bool = False  # the cache in pages, read in place where the kernel can
 
     def kernels(self, arch: str, device: str = "meta") -> list[tuple[str, object]]:
         """(kind, spec) of every kernel the step runs on `arch`, planned on tensors of
@@ -170,26 +172,30 @@ class DecodePattern:
         )
         splits = decode_splits(BATCH, heads_kv, DECODE_CACHE, sm_count(q.device, arch))
         operands = chunk_operands(q, k, v, mask, bias, splits, "batch")  # a contiguous cache
-        kernels = planned_kernels(arch, *operands, softcap=self.softcap, backward=False)
+        kernels = planned_kernels(
+            arch, *operands, softcap=self.softcap, backward=False, paged=self.paged
+        )  # fmt: skip
         return kernels + [("combine", combine_spec(dtype, self.head_dim))]
 
     def __str__(self) -> str:
         flags = [f"H{self.heads[0]}/{self.heads[1]}"] + (["softcap"] if self.softcap else [])
+        flags += ["paged"] if self.paged else []
         return f"decode {self.dtype} d{self.head_dim} {self.operands} {' '.join(flags)}"
 
 
 def decode_patterns(
-    dtypes=tuple(DTYPES), head_dims=DEFAULT_HEAD_DIMS, softcap=False
+    dtypes=tuple(DTYPES), head_dims=DEFAULT_HEAD_DIMS, softcap=False, paged=False
 ) -> list[DecodePattern]:
-    """The decode steps precompiled with --decode."""
+    """The decode steps precompiled with --decode (and with --paged, on paged caches too)."""
     softcaps = (0.0, 30.0) if softcap else (0.0,)
     return [
-        DecodePattern(dtype, head_dim, operands, heads, cap)
+        DecodePattern(dtype, head_dim, operands, heads, cap, kind)
         for dtype in dtypes
         for head_dim in head_dims
         for operands in DECODE_OPERANDS
         for heads in HEADS
         for cap in softcaps
+        for kind in ((False, True) if paged else (False,))
     ]
 
 
@@ -233,7 +239,7 @@ def kernel_specs(
 
 def planned_kernels(
     arch: str, q, k, v, mask, bias, is_causal=False, softcap=0.0, deterministic=False,
-    backward=True, eager=False, block_mask=None,
+    backward=True, eager=False, block_mask=None, paged=False,
 ) -> list[tuple[str, object]]:  # fmt: skip
     """(kind, spec) of every kernel a flash_dmattn_func call on these tensors runs on `arch`
     (its backward too, if `backward`), planned by the launches' own code. An int32 `mask` is
@@ -241,7 +247,9 @@ def planned_kernels(
     those of the eager path alone, whose forward and backward may share one block-bits
     pre-pass (kernels/paired_bits.py) in place of their own; otherwise also those of the
     torch ops' path, where each kernel runs its own. A `block_mask` is read as bits where
-    the eager path does so; the torch ops' path runs on its element mask."""
+    the eager path does so; the torch ops' path runs on its element mask. `paged`: k, v read
+    from a page pool by the forward (a decode step on a paged cache; SM90 only, elsewhere the
+    pages are gathered and the step runs as on a contiguous cache)."""
     expiry = mask is not None and mask.dtype in (torch.int32, torch.int64)
     problem, mask4, bias4 = make_problem(
         q, k, v, None if expiry else mask, bias, None, is_causal, softcap, (-1, -1),
@@ -257,7 +265,8 @@ def planned_kernels(
     if backward and mask4 is not None and not expiry and block_mask is None:
         paired = paired_bits_spec(problem, mask4, bias4, bias is not None, arch, q.device)
     own_bits = not (eager and paired is not None)
-    fwd, bits = forward_variants(problem, mask4, bias4, arch, block_mask)
+    paged = paged and hopper_kernels(arch)
+    fwd, bits = forward_variants(problem, mask4, bias4, arch, block_mask, paged)
     kernels = [("fwd", fwd)]
     if bits is not None and own_bits:
         kernels.append(("bits", bits))
@@ -399,8 +408,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also the decode steps of flash_dmattn_with_kvcache (one query per row)",
     )
+    parser.add_argument(
+        "--paged",
+        action="store_true",
+        help="with --decode: also those steps on a paged cache (block_table)",
+    )
     parser.add_argument("--list", action="store_true", help="list the variants, compile none")
     args = parser.parse_args(argv)
+    if args.paged and not args.decode:
+        parser.error("--paged: only with --decode")
     if args.jobs < 1:
         parser.error(f"--jobs: expected N >= 1, got {args.jobs}")
     for head_dim in args.head_dims:
@@ -418,7 +434,7 @@ def patterns_of(args: argparse.Namespace) -> list[CallPattern | DecodePattern]:
         args.dtypes, args.head_dims, args.softcap, args.deterministic
     )
     if args.decode:
-        patterns += decode_patterns(args.dtypes, args.head_dims, args.softcap)
+        patterns += decode_patterns(args.dtypes, args.head_dims, args.softcap, args.paged)
     return patterns
 
 

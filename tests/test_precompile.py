@@ -1,5 +1,6 @@
 """The precompile CLI and the Docker image's build step (CPU: offline compiles only)."""
 
+import dataclasses
 import io
 import os
 import re
@@ -151,6 +152,45 @@ def test_decode_steps_launch_listed_variants(launches, monkeypatch) -> None:
         assert forward[0][-1] > 1, str(pattern)  # key_chunks: the rows read in place
         # and the queries: a view of q (one entry per row, not per chunk)
         assert forward[0][0].shape[0] == batch and forward[0][0].data_ptr() == q.data_ptr()
+
+
+def test_paged_decode_steps_launch_listed_variants(launches, monkeypatch) -> None:
+    """A kv-cache decode step on a paged cache (pages of 128 keys, shuffled), run as on the
+    GPU, reads the pool in place on sm_90a with the variants precompile --decode --paged
+    lists; off Hopper a paged step gathers its pages and runs the contiguous step's kernels."""
+    from dmattn_cute import decode, flash_dmattn_with_kvcache
+
+    monkeypatch.setattr(decode, "eager_cuda", lambda q: True)
+    batch, sk, page = precompile.BATCH, precompile.DECODE_CACHE, 128
+    patterns = precompile.decode_patterns(["bf16"], [128], paged=True)
+    assert {p.paged for p in patterns} == {False, True}
+    for pattern in (p for p in patterns if p.paged):
+        heads, heads_kv = pattern.heads
+        mask_heads, has_bias = precompile.DECODE_OPERANDS[pattern.operands]
+        q = torch.randn(batch, 1, heads, 128, dtype=torch.bfloat16)
+        pool = [torch.randn(batch * sk // page, page, heads_kv, 128, dtype=torch.bfloat16)
+                for _ in range(2)]  # fmt: skip
+        table = torch.randperm(batch * sk // page, dtype=torch.int32).view(batch, sk // page)
+        bias = torch.randn(batch, heads_kv, 1, sk, dtype=torch.bfloat16) if has_bias else None
+        mask = lengths = None
+        if mask_heads == 1:
+            lengths = torch.tensor([sk - 1000, sk - 7], dtype=torch.int32)
+        elif mask_heads == "kv":
+            mask = torch.rand(batch, heads_kv, 1, sk) < 0.5
+        launches["calls"].clear()
+        flash_dmattn_with_kvcache(
+            q, *pool, cache_seqlens=lengths, attn_mask=mask, attn_bias=bias,
+            softcap=pattern.softcap, block_table=table,
+        )  # fmt: skip
+        launched = {spec for spec, _ in launches["calls"]}
+        listed = {spec for _, spec in pattern.kernels("sm_90a")}
+        assert launched and launched <= listed, str(pattern)
+        ((spec, args),) = [c for c in launches["calls"] if "Fwd" in type(c[0]).__name__]
+        assert spec.paged and args[1] is pool[0] and args[2] is pool[1] and args[10] is table
+        contiguous = dataclasses.replace(pattern, paged=False)
+        assert pattern.kernels("sm_89") == contiguous.kernels("sm_89")
+    with pytest.raises(SystemExit):
+        precompile.parse_args(["--arch", "sm_90a", "--paged"])
 
 
 def test_default_variants_cover_every_pattern_and_kernel() -> None:

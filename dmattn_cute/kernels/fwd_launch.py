@@ -46,16 +46,17 @@ def forward_variants(
     bias: torch.Tensor | None,
     arch: str,
     block_mask: torch.Tensor | None = None,
+    paged: bool = False,
 ) -> tuple[FwdSpec | Sm90FwdSpec, BlockBitsSpec | None]:
     """The forward variant a call runs, and the block-bits pre-pass it runs first or None
     (mask/bias: normalized 4-D views, block_mask as flash_fwd takes it; tensors may be on the
     meta device, e.g. to list variants for an offline compile). Only the Hopper kernel with a
     mask to scan runs a pre-pass: an integer mask is an expiry or key ranges, and a block mask
-    alone is read as bits."""
+    alone is read as bits. paged: K and V from a page pool (flash_fwd's block_table)."""
     bias = operand_view(bias)
     view, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
     view = operand_view(view)
-    spec = fwd_spec(problem, view, bias, arch, blocks is not None)
+    spec = fwd_spec(problem, view, bias, arch, blocks is not None, paged)
     if (
         not isinstance(spec, Sm90FwdSpec)
         or view is None
@@ -90,13 +91,14 @@ def fwd_spec(
     bias: torch.Tensor | None,
     arch: str,
     block_mask: bool = False,
+    paged: bool = False,
 ) -> FwdSpec | Sm90FwdSpec:
     """The forward variant for a problem (mask/bias: kernel views from launch.operand_view;
-    block_mask: the mask's bits are a block mask's): the warp-specialized wgmma kernel on
-    sm_90a, the mma.sync kernel elsewhere."""
+    block_mask: the mask's bits are a block mask's; paged: K and V from a page pool): the
+    warp-specialized wgmma kernel on sm_90a, the mma.sync kernel elsewhere."""
     seqlen_k = problem.seqlen_k
     mask_spec, bias_spec = operand_spec(mask, seqlen_k), operand_spec(bias, seqlen_k)
-    return _build(problem, mask_spec, bias_spec, arch, block_mask)
+    return _build(problem, mask_spec, bias_spec, arch, block_mask, paged)
 
 
 def _build(
