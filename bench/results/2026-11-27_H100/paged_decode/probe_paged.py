@@ -4,6 +4,7 @@ density 0.25 (the bench's decode rows). Page sizes 64 and 256 are read in place;
 the 64-key tile, so that step gathers the rows first (as every paged step did before).
 CUDA graph replays and eager calls; CUDA events, median of 100, after a 256 MB read (clean
 L2) or do_bench's zero_ (dirty L2)."""
+import os
 import statistics
 
 import torch
@@ -46,7 +47,7 @@ for sk in (32768, 131072):
 
     ref = contiguous()
     rows = {"contiguous": contiguous}
-    for page in (64, 256, 32):
+    for page in [int(p) for p in os.environ.get("PAGES", "64 256 32").split()]:
         per_row = sk // page
         order = torch.randperm(B * per_row, device="cuda")
         table = order.view(B, per_row).to(torch.int32)
