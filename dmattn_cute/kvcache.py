@@ -16,10 +16,10 @@ default), the per-row lengths (and causal/window limits) become a boolean mask
 [B, 1, Sq, Sk_cache] combined with the caller's mask, so key blocks past a row's length are
 skipped whole. A paged cache (block_table) is read in place by the decode step on SM90 where
 its pages hold whole key tiles, else first gathered into a contiguous copy. Per-row lengths
-in the kernel (no mask) are the next step (issue 16). Until then the cache slots past a row's length must hold finite values (a cache made
-with torch.zeros, or one only ever written by this function): the key block that holds a
-row's last keys is read whole, and a masked key's weight 0 times a NaN value is NaN, in the
-kernels as in the reference.
+in the kernel (no mask) are the next step (issue 16). Until then the cache slots past a
+row's length must hold finite values (a cache made with torch.zeros, or one only ever written
+by this function): the key block that holds a row's last keys is read whole, and a masked
+key's weight 0 times a NaN value is NaN, in the kernels as in the reference.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def flash_dmattn_with_kvcache(
     block_table: integer [B, pages_per_row] (int32 is read as is), row b's key p at page
     block_table[b, p // page_size], slot p % page_size (Sk_cache = pages_per_row * page_size;
     no cache_batch_idx; its values are checked except while a CUDA graph is captured). k, v:
-    [B, Snew, Hkv, D] or None (both or neither). cache_seqlens: the valid keys of each row before the append, an int or an
-    integer tensor [B] (default: the whole cache, Sk_cache - Snew). cache_batch_idx: integer
-    [B], the cache row of each batch row (default: row b). attn_mask (bool, True = attend) and
-    attn_bias broadcast as in flash_dmattn_func over [B, H, Sq, Sk_cache]. Returns out
-    [B, Sq, H, D] and, with return_lse, lse [B, H, Sq] (natural log; -inf for a query that
-    sees no key, whose output is 0).
+    [B, Snew, Hkv, D] or None (both or neither). cache_seqlens: the valid keys of each row
+    before the append, an int or an integer tensor [B] (default: the whole cache, Sk_cache -
+    Snew). cache_batch_idx: integer [B], the cache row of each batch row (default: row b).
+    attn_mask (bool, True = attend) and attn_bias broadcast as in flash_dmattn_func over
+    [B, H, Sq, Sk_cache]. Returns out [B, Sq, H, D] and, with return_lse, lse [B, H, Sq]
+    (natural log; -inf for a query that sees no key, whose output is 0).
 
     A decode step (Sq = 1, packable) on SM90 reads a paged cache where it is when a page holds
     whole key tiles of its kernel (decode.reads_pages; at head dim 128, page_size a multiple

@@ -301,10 +301,10 @@ def flash_fwd(
     """
     if key_chunks > 1 and (block_mask is not None or bits is not None or key_expiry is not None):
         raise ValueError("key_chunks: not with a block mask, given bits or a key expiry")
-    rows = [("q", q)] if block_table is not None else [("q", q), ("k", k), ("v", v)]
-    if block_table is not None:
+    rows = [("q", q), ("k", k), ("v", v)]
+    if block_table is not None:  # k, v are page pools: the table has the rows
         _check_pages(problem, k, v, block_table, block_mask, bits, key_expiry)
-        rows.append(("block_table", block_table))
+        rows = [("q", q), ("block_table", block_table)]
     for name, t in rows:
         if t.shape[0] * key_chunks != problem.batch:
             raise ValueError(
@@ -404,9 +404,7 @@ def paged_tile_n(
     number of them), or None where no kernel of `arch` reads pages (mask/bias: 4-D views)."""
     if not hopper_kernels(arch):
         return None
-    mask, bias = operand_view(mask), operand_view(bias)
-    spec = fwd_spec(problem, mask, bias, arch)
-    return spec.tile.tile_n
+    return _variant(problem, mask, operand_view(bias), arch).tile.tile_n  # (remembered)
 
 
 __all__ = [

@@ -318,8 +318,8 @@ class FlashFwdSm90:
             seqlen_k = mPages.shape[1] * mK.shape[1]  # a row's pages, page_size keys each
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], seqlen_k, mLSE, mStats, mMask, mBias, mBits,
-            mOrder, mPages, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale, softcap,
-            window_left, window_right, mask_head_div, bias_head_div, group, key_chunks,
+            mOrder, mPages, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale,
+            softcap, window_left, window_right, mask_head_div, bias_head_div, group, key_chunks,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
             sBias_layout,
         ).launch(
@@ -734,9 +734,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def page_of(self, mPages: cute.Tensor | None, b_op, n_block, n_block_min, page_blocks):
-        """The page that holds key block n_block of row b_op (spec.paged; else 0). Loaded a
-        block ahead of its use: the load's latency passes under the producer's wait for a
-        free stage. Past the walk (n_block < n_block_min, or an empty one) it reads a page of
+        """The page that holds key block n_block of row b_op (spec.paged; else 0), loaded as
+        soon as the walk has found that block, a block ahead of its TMA copies. Past the walk (n_block < n_block_min, or an empty one) it reads a page of
         the row that exists."""
         page = cutlass.Int32(0)
         if cutlass.const_expr(self.spec.paged):
