@@ -1,0 +1,17 @@
+source .device/activate.sh && source bench/carried.sh && export PYTHONPATH=.:$PYTHONPATH
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/device.txt
+root=$(pwd)
+for b in main fold; do mkdir -p .branches/$b && cp -r dmattn_cute bench tests examples pyproject.toml README.md .branches/$b/ && patch -s -p1 -d .branches/$b < .patches/$b.patch && echo $b tree ok; done
+python3 -m pytest -q -p no:cacheprovider "${jobs[@]}" -m gpu -rfE tests/test_decode.py -k "merges or plain_decode or split_decode" > $OUT/pytest_selfreset.log 2>&1; tail -2 $OUT/pytest_selfreset.log
+for r in 1 2; do
+  order="root main fold"; [ $r = 2 ] && order="fold main root"
+  for t in $order; do
+    dir=$root; [ $t != root ] && dir=$root/.branches/$t
+    (cd $dir && PYTHONPATH=$dir:$PYTHONPATH python3 $root/.patches/probe_fold.py > $OUT/ceiling_${t}_r$r.log 2>&1); echo "== $t r$r"; grep "^Sk" $OUT/ceiling_${t}_r$r.log
+  done
+done
+for t in root main fold; do
+  dir=$root; [ $t != root ] && dir=$root/.branches/$t
+  (cd $dir && PYTHONPATH=$dir:$PYTHONPATH python3 $root/.patches/probe_kernels.py > $OUT/kernels_$t.log 2>&1); echo "== kernels $t"; grep -v Warn $OUT/kernels_$t.log | cut -c1-100
+done
+AB_ROUNDS=2 bash bench/ab.sh --suites decode --modes fwd --impls ours ours_kvcache_graph --only 'Sk(32768|131072) D128 bf16 bias key mask blocks 0.25$' > $OUT/ab.log 2>&1; grep -E "^==|ours" $OUT/ab.log
