@@ -265,6 +265,28 @@ def test_varlen_bench_layouts_hold_the_same_sequences() -> None:
         torch.testing.assert_close(bias_packed, bias_padded[:, :, 0].transpose(0, 1)[:, lay.valid])
 
 
+def test_decode_layers_count_the_visible_tiles_bytes() -> None:
+    """bench.decode_layers' traffic: K and V rows of every 64-key block with a visible key,
+    the tail block's real keys only."""
+    from bench.decode_layers import visible_kv_bytes, workload
+
+    assert workload(32768).name == next(
+        w.name for w in SUITES["decode"]() if w.seqlen_k == 32768 and w.mask == "blocks"
+    )
+    w = Workload("decode", 2, 1, 200, 32, bias="key", mask="blocks", density=0.25)
+    x = make_inputs(w, device="cpu")
+    x.mask[0, 0] = False
+    x.mask[0, 0, 0, 3] = True  # block 0: 64 keys
+    x.mask[0, 0, 0, 199] = True  # block 3, the tail: 8 keys
+    keys = 64 + 8
+    for b in range(2):
+        for h in range(HEADS_KV):
+            for start in range(0, 200, 64):
+                if (b, h) != (0, 0) and x.mask[b, h, 0, start : start + 64].any():
+                    keys += min(64, 200 - start)
+    assert visible_kv_bytes(x) == keys * 2 * 32 * 2
+
+
 def test_heads_major_kv_inputs_are_transformers_cache_views() -> None:
     w = Workload("decode", 2, 1, 64, 32, heads_major_kv=True)
     x = make_inputs(w, device="cpu")
