@@ -56,10 +56,13 @@ def flash_dmattn_with_kvcache(
     cache_batch_idx), q's dtype and device; or, paged, [num_pages, page_size, Hkv, D] with
     block_table: integer [B, pages_per_row] (int32 is read as is), row b's key p at page
     block_table[b, p // page_size], slot p % page_size (Sk_cache = pages_per_row * page_size;
-    no cache_batch_idx; its values are checked except while a CUDA graph is captured). k, v:
-    [B, Snew, Hkv, D] or None (both or neither). cache_seqlens: the valid keys of each row
-    before the append, an int or an integer tensor [B] (default: the whole cache, Sk_cache -
-    Snew). cache_batch_idx: integer [B], the cache row of each batch row (default: row b).
+    no cache_batch_idx). k, v: [B, Snew, Hkv, D] or None (both or neither). cache_seqlens: the
+    valid keys of each row before the append, an int or an integer tensor [B] (default: the
+    whole cache, Sk_cache - Snew). cache_batch_idx: integer [B], the cache row of each batch
+    row (default: row b). The values of block_table, cache_seqlens and cache_batch_idx are
+    checked on every call (one device read each) except while a CUDA graph is captured: a
+    captured step reads them on the device at each replay, so a serving loop may change them
+    in place between replays (and must keep them in range).
     attn_mask (bool, True = attend) and attn_bias broadcast as in flash_dmattn_func over
     [B, H, Sq, Sk_cache]. Returns out [B, Sq, H, D] and, with return_lse, lse [B, H, Sq]
     (natural log; -inf for a query that sees no key, whose output is 0).
@@ -184,7 +187,9 @@ def _cache_rows(
             f"cache_batch_idx: expected shape [{batch}], got {tuple(cache_batch_idx.shape)}"
         )
     rows = cache_batch_idx.to(device=device, dtype=torch.long)
-    low, high = int(rows.min()), int(rows.max())
+    if _capturing(rows):
+        return rows
+    low, high = _value_range(rows)
     if low < 0 or high >= cache_rows:
         raise ValueError(
             f"cache_batch_idx: expected values in [0, {cache_rows}), got {low}..{high}"
@@ -212,9 +217,9 @@ def _check_block_table(
     pages = block_table.to(device=device)
     if pages.dtype not in (torch.int32, torch.int64):
         pages = pages.long()
-    if pages.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(pages):
         return pages
-    low, high = int(pages.min()), int(pages.max())
+    low, high = _value_range(pages)
     if low < 0 or high >= num_pages:
         raise ValueError(f"block_table: expected pages in [0, {num_pages}), got {low}..{high}")
     return pages
@@ -247,9 +252,9 @@ def _cache_lengths(
     device: torch.device,
 ) -> tuple[int | Tensor, bool]:
     """cache_seqlens checked, each length with room for the Snew new keys (a tensor's values
-    are read to check them: one device sync per call): an int as given, a tensor as a long
-    tensor [B]; and whether every row is known on the host to fill the cache once the new
-    keys are in (an int length)."""
+    are read to check them, one device read per call, except while a CUDA graph is captured):
+    an int as given, a tensor as a long tensor [B]; and whether every row is known on the host
+    to fill the cache once the new keys are in (an int length)."""
     if cache_seqlens is None:
         cache_seqlens = seqlen_cache - seqlen_new
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -261,7 +266,9 @@ def _cache_lengths(
                 f"got {tuple(cache_seqlens.shape)}"
             )
         lengths = cache_seqlens.to(device=device, dtype=torch.long)
-        low, high = int(lengths.min()), int(lengths.max())
+        if _capturing(lengths):
+            return lengths, False
+        low, high = _value_range(lengths)
     else:
         raise TypeError("cache_seqlens: expected an int or an integer tensor [B]")
     if low < 0 or high + seqlen_new > seqlen_cache:
@@ -270,6 +277,18 @@ def _cache_lengths(
             f"{seqlen_cache - seqlen_new}], got {low}..{high}"
         )
     return lengths, isinstance(cache_seqlens, int) and low + seqlen_new == seqlen_cache
+
+
+def _capturing(t: Tensor) -> bool:
+    """Whether t is on a CUDA device whose current stream is capturing a graph: no device read
+    can be made, so its values go unchecked (a replay reads whatever they are then)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _value_range(t: Tensor) -> tuple[int, int]:
+    """The least and greatest values of an integer tensor, in one device read."""
+    low, high = torch.stack(torch.aminmax(t)).tolist()
+    return low, high
 
 
 def _length_rows(lengths: int | Tensor, batch: int, device: torch.device) -> Tensor:

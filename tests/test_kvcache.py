@@ -311,3 +311,59 @@ def test_paged_forward_refuses_pages_that_split_a_key_tile():
         flash_fwd(problem, queries, pool, pool, None, None, block_table=table)
     with pytest.raises(ValueError, match="block_table: expected int32"):
         flash_fwd(problem, queries, pool, pool, None, None, block_table=table.long())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+def test_captured_step_reads_lengths_and_rows_at_each_replay(layout):
+    """A decode step captured into a CUDA graph with tensor cache_seqlens and cache_batch_idx
+    (or a paged cache's block_table; pages of 64 keys, read in place on Hopper): nothing is
+    read on the host while capturing, and each replay uses the values written into those
+    tensors (and into q, k, v) since. Its output and the cache after it are an eager call's on
+    the same inputs and a copy of the cache."""
+    batch, cache_len, heads, heads_kv, d, page = 3, 1024, 8, 2, 128, 64
+    data = make_cache("cuda", batch, cache_len, heads, heads_kv, d, rows=5)
+    q, (k_new, v_new) = data["q"](1), data["new"](1)
+    lengths = torch.tensor([0, 500, 1023], dtype=torch.int32, device="cuda")
+    bias = torch.randn(batch, heads_kv, 1, cache_len, device="cuda", dtype=q.dtype)
+    pages_of = [torch.randperm(5 * cache_len // page, generator=torch.Generator().manual_seed(s))
+                for s in (1, 2)]  # fmt: skip
+    if layout == "paged":
+        caches = [t.view(5 * cache_len // page, page, heads_kv, d) for t in
+                  (data["k_cache"], data["v_cache"])]  # fmt: skip
+        where = pages_of[0][: batch * cache_len // page].view(batch, -1).int().cuda()
+        placed = {"block_table": where}
+    else:
+        caches = [data["k_cache"], data["v_cache"]]
+        where = torch.tensor([4, 0, 2], device="cuda")
+        placed = {"cache_batch_idx": where}
+
+    def step(k_cache, v_cache):
+        return flash_dmattn_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, attn_bias=bias, **placed
+        )  # fmt: skip
+
+    step(*(t.clone() for t in caches))  # compiles and plans outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        out = step(*caches)
+    for new_lengths, new_where in (
+        ([7, 1023, 260], pages_of[1] if layout == "paged" else [1, 3, 0]),
+        ([1000, 0, 64], pages_of[0].flip(0) if layout == "paged" else [0, 1, 2]),
+    ):
+        lengths.copy_(torch.tensor(new_lengths))
+        if layout == "paged":
+            new_where = new_where[: batch * cache_len // page].view(batch, -1)
+        where.copy_(torch.as_tensor(new_where))
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        copies = [t.clone() for t in caches]
+        want = step(*copies)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        for cache, copy in zip(caches, copies, strict=True):
+            assert torch.equal(cache, copy)  # the new keys and values where the eager call put them
