@@ -19,7 +19,10 @@ export PYTHONUNBUFFERED=1
 source bench/carried.sh
 status=0
 if [ "$tests" = 1 ]; then
-  python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "${jobs[@]}" "$@" 2>&1 | tee "$out/pytest_gpu.log" | tail -40
+  # -v names every test as it ends in the log (a call cut short shows which had not; the
+  # slowest are listed at the end); the console keeps failures and the summary
+  python3 -m pytest -m gpu -v --durations=20 -rfE -p no:cacheprovider "${jobs[@]}" "$@" 2>&1 |
+    tee "$out/pytest_gpu.log" | grep -vE " (PASSED|SKIPPED|XFAIL)( |$)" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$sanitize" = 1 ]; then
