@@ -8,7 +8,7 @@ launch per layer, and every layer finds L2 holding the layers before it, not its
     python3 -m bench.decode_layers [--seqlens 32768 131072] [--layers 8] [--out DIR]
 
 Reports, per cache length, the median ms of a replay (bench.run.events_median) and of one
-layer, the K/V bytes of the visible key tiles each layer reads, and that traffic's rate
+layer, the K/V bytes of the key tiles each layer runs (those with a visible key), and that traffic's rate
 against the device's measured copy ceiling (bytes read plus written by a device-to-device
 copy of 1 and 2 GiB, the larger) and its datasheet bandwidth (issue 16's decode target).
 """
@@ -20,8 +20,8 @@ import functools
 
 import torch
 
-from bench.run import events_median, write_result
-from bench.workloads import BLOCK_SIZES, Inputs, Workload, block_mask, make_inputs
+from bench.run import events_median, executed_fraction, write_result
+from bench.workloads import Inputs, Workload, block_mask, make_inputs
 from dmattn_cute import flash_dmattn_with_kvcache
 
 DATASHEET_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
@@ -32,16 +32,10 @@ def workload(seqlen_k: int) -> Workload:
     return Workload("decode", 8, 1, seqlen_k, 128, bias="key", mask="blocks", density=0.25)
 
 
-def visible_kv_bytes(x: Inputs) -> int:
-    """K and V bytes of the visible 64-key blocks of a decode step's mask rows [B, Hkv, 1, Sk]
-    (a block with a True key is read whole, up to Sk), over every batch row and kv head."""
-    block = BLOCK_SIZES["blocks"][1]
-    batch, heads, _, seqlen_k = x.mask.shape
-    padded = torch.nn.functional.pad(x.mask[:, :, 0], (0, -seqlen_k % block))
-    visible = padded.view(batch, heads, -1, block).any(-1)
-    starts = torch.arange(visible.shape[-1], device=visible.device) * block
-    keys = int((visible * (seqlen_k - starts).clamp(max=block)).sum())
-    return keys * 2 * x.k.shape[-1] * x.k.element_size()  # K and V rows
+def visible_kv_bytes(w: Workload, x: Inputs) -> int:
+    """K and V bytes of the key tiles the forward runs (bench.run.executed_fraction: the tiles
+    with a visible key, tails to Sk), over every batch row and kv head."""
+    return round(executed_fraction(w, x, "fwd") * 2 * x.k.numel() * x.k.element_size())
 
 
 def copy_ceiling() -> float:
@@ -96,7 +90,7 @@ def main() -> None:
             x.mask.copy_(block_mask(w, "cuda"))
         ms = events_median(step_graph(layers))
         layer_ms = ms / args.layers
-        visible = sum(visible_kv_bytes(x) for x in layers) / args.layers
+        visible = sum(visible_kv_bytes(w, x) for x in layers) / args.layers
         rate = visible / (layer_ms * 1e-3)
         row = {
             "workload": w.name,

@@ -60,9 +60,10 @@ def flash_dmattn_with_kvcache(
     valid keys of each row before the append, an int or an integer tensor [B] (default: the
     whole cache, Sk_cache - Snew). cache_batch_idx: integer [B], the cache row of each batch
     row (default: row b). The values of block_table, cache_seqlens and cache_batch_idx are
-    checked on every call (one device read each) except while a CUDA graph is captured: a
-    captured step reads them on the device at each replay, so a serving loop may change them
-    in place between replays (and must keep them in range).
+    checked on every call (a device read each, cache_batch_idx's distinct rows one more)
+    except while a CUDA graph is captured: a captured step reads them on the device at each
+    replay, so a serving loop may change them in place between replays (and must keep them
+    in range).
     attn_mask (bool, True = attend) and attn_bias broadcast as in flash_dmattn_func over
     [B, H, Sq, Sk_cache]. Returns out [B, Sq, H, D] and, with return_lse, lse [B, H, Sq]
     (natural log; -inf for a query that sees no key, whose output is 0).

@@ -265,10 +265,13 @@ def test_varlen_bench_layouts_hold_the_same_sequences() -> None:
         torch.testing.assert_close(bias_packed, bias_padded[:, :, 0].transpose(0, 1)[:, lay.valid])
 
 
-def test_decode_layers_count_the_visible_tiles_bytes() -> None:
-    """bench.decode_layers' traffic: K and V rows of every 64-key block with a visible key,
-    the tail block's real keys only."""
+def test_decode_layers_count_the_visible_tiles_bytes(monkeypatch) -> None:
+    """bench.decode_layers' traffic: K and V rows of every key tile (64 keys, as sm_90a plans
+    a decode step with a mask) with a visible key, the tail tile's real keys only."""
     from bench.decode_layers import visible_kv_bytes, workload
+    from dmattn_cute.jit import ARCH_ENV
+
+    monkeypatch.setenv(ARCH_ENV, "sm_90a")
 
     assert workload(32768).name == next(
         w.name for w in SUITES["decode"]() if w.seqlen_k == 32768 and w.mask == "blocks"
@@ -284,7 +287,7 @@ def test_decode_layers_count_the_visible_tiles_bytes() -> None:
             for start in range(0, 200, 64):
                 if (b, h) != (0, 0) and x.mask[b, h, 0, start : start + 64].any():
                     keys += min(64, 200 - start)
-    assert visible_kv_bytes(x) == keys * 2 * 32 * 2
+    assert visible_kv_bytes(w, x) == keys * 2 * 32 * 2
 
 
 def test_heads_major_kv_inputs_are_transformers_cache_views() -> None:
