@@ -735,8 +735,8 @@ class FlashFwdSm90:
     @cute.jit
     def page_of(self, mPages: cute.Tensor | None, b_op, n_block, n_block_min, page_blocks):
         """The page that holds key block n_block of row b_op (spec.paged; else 0), loaded as
-        soon as the walk has found that block, a block ahead of its TMA copies. Past the walk (n_block < n_block_min, or an empty one) it reads a page of
-        the row that exists."""
+        soon as the walk has found that block, a block ahead of its TMA copies. Past the walk
+        (n_block < n_block_min, or an empty one) it reads a page of the row that exists."""
         page = cutlass.Int32(0)
         if cutlass.const_expr(self.spec.paged):
             index = cutlass.max(n_block, n_block_min) // page_blocks
