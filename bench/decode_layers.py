@@ -8,9 +8,10 @@ launch per layer, and every layer finds L2 holding the layers before it, not its
     python3 -m bench.decode_layers [--seqlens 32768 131072] [--layers 8] [--out DIR]
 
 Reports, per cache length, the median ms of a replay (bench.run.events_median) and of one
-layer, the K/V bytes of the key tiles each layer runs (those with a visible key), and that traffic's rate
-against the device's measured copy ceiling (bytes read plus written by a device-to-device
-copy of 1 and 2 GiB, the larger) and its datasheet bandwidth (issue 16's decode target).
+layer, the K/V bytes of the key tiles each layer runs (those with a visible key), and that
+traffic's rate against the device's measured copy ceiling (bytes read plus written by a
+device-to-device copy of 1 and 2 GiB, the larger) and its datasheet bandwidth (issue 16's
+decode target).
 """
 
 from __future__ import annotations
