@@ -8,8 +8,9 @@ instead of one head's long ones while the rest of the GPU idles. With a block ma
 gives the order (spec.ordered): the same sections, each sorted by visible key blocks, most
 first, since a random block mask leaves some rows twice the average. Three warpgroups:
 
-- the producer (warps 0-3, few registers): warp 0 loads Q once and K, V per visible key block
-  by TMA into `stages` smem stages, and the bias tile too when its rows allow (16-bit,
+- the producer (warps 0-3, few registers): warp 0 loads Q once (before the block bits are
+  read, so that the two loads overlap) and K, V per visible key block by TMA into `stages`
+  smem stages, and the bias tile too when its rows allow (16-bit,
   16-byte aligned: Sm90FwdSpec's `bias.tma_tiles`; a query-broadcast bias as one row of the
   block's keys, which spares the producer's cp.async pipeline); all four warps load the mask
   tile, and a bias TMA cannot read, with predicated cp.async (any view: broadcast dims, odd
@@ -494,10 +495,15 @@ class FlashFwdSm90:
                     smem[name], dtype, op, tm, tn, st, stride, 128
                 )
 
+        if warp == 0:
+            # Q before the walk reads the block bits (all_full, then the producer's window):
+            # its load runs under those reads (H200: 2-3% off block-sparse forwards)
+            if n_block_min < n_block_max:
+                self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b_op)
         if warp < 4:
             args = (
-                tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
-                pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
+                tK, tV, sK, sV, mMask, mBias, bits, tile_smem, tma_k, tma_v,
+                pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
                 n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k,
                 tma_bias, tBias, sBias, mPages,
             )  # fmt: skip
@@ -605,24 +611,20 @@ class FlashFwdSm90:
 
     @cute.jit
     def produce(
-        self, tQ, tK, tV, sQ, sK, sV, mMask, mBias, bits, tile_smem, tma_q, tma_k, tma_v,
-        pipe_q, pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
+        self, tK, tV, sK, sV, mMask, mBias, bits, tile_smem, tma_k, tma_v,
+        pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
         n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
         tBias, sBias, mPages, dense: cutlass.Constexpr[bool] = False,
     ):  # fmt: skip
-        """The producer warpgroup: Q once, then the bias, mask, K and V of every visible key
-        block from the last to the first, each into the next free stage (b_op: the row of Q,
-        K, V, the mask and the bias)."""
+        """The producer warpgroup (Q is already on its way: load_q): the bias, mask, K and V
+        of every visible key block from the last to the first, each into the next free stage
+        (b_op: the row of Q, K, V, the mask and the bias)."""
         spec = self.spec
-        tm, tn, dp = self.tile_m, self.tile_n, self.head_dim_padded
+        tm, tn = self.tile_m, self.tile_n
         tidx = cute.arch.thread_idx()[0]
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         hk = h // group
         # gmem -> smem TMA partitions: one box per tile (stage index / key block last)
-        gQ = cute.local_tile(tQ[None, None, h, b_op], (tm, dp), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
         tKsK, tKgK = self.kv_tiles(tma_k, tK, sK, hk, b_op)
         tVsV, tVgV = self.kv_tiles(tma_v, tV, sV, hk, b_op)
         page_blocks = cutlass.Int32(1)  # key blocks per page (paged)
@@ -659,11 +661,6 @@ class FlashFwdSm90:
                     op, tcopy, used, gX, cX, sX, row_end, seqlen_k, tidx, walk_queries=False
                 )
 
-        if n_block_min < n_block_max:
-            if warp == 0:
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                pipe_q.producer_acquire(q_state)
-                cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         mask_tiles = cutlass.Int32(0)  # mask stages filled so far (mask_only_tiles)
         walk_bits = None if dense else bits  # (a dense walk steps down one block at a time)
@@ -720,6 +717,19 @@ class FlashFwdSm90:
                 walk_bits, n_block - 1, n_block_min, top, visible, full_bits
             )
             page = self.page_of(mPages, b_op, n_block, n_block_min, page_blocks)
+
+    @cute.jit
+    def load_q(self, tma_q, tQ, sQ, pipe_q, m_block, h, b_op):
+        """The query block by TMA into sQ (warp 0; one box)."""
+        gQ = cute.local_tile(
+            tQ[None, None, h, b_op], (self.tile_m, self.head_dim_padded), (m_block, 0)
+        )
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
     @cute.jit
     def kv_tiles(self, tma: cute.CopyAtom, tX: cute.Tensor, sX: cute.Tensor, hk, row):
