@@ -3,6 +3,7 @@ math on CPU against ours), the executed-tile count, and the report's tables and 
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -309,3 +310,42 @@ def test_peer_forward_reports_a_peer_that_does_not_run(tmp_path, capsys) -> None
     run.write_result(result, str(tmp_path / "out"), "x.json")
     assert json.loads((tmp_path / "out" / "x.json").read_text()) == result
     assert json.loads(capsys.readouterr().out) == result
+
+
+def test_branches_builds_patched_trees_without_tests(tmp_path: Path) -> None:
+    """bench/branches.sh --no-tests: one tree per .patches/<name>.patch, patched, no pytest
+    run; a patch that does not apply fails the script."""
+    root = Path(__file__).resolve().parents[1]
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("dmattn_cute", "bench", "tests", "examples"):
+        (repo / name).mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        (repo / name).write_text("")
+    (repo / "dmattn_cute" / "k.py").write_text("STAGES = 2\n")
+    for script in ("branches.sh", "carried.sh"):
+        (repo / "bench" / script).write_text((root / "bench" / script).read_text())
+    patches = repo / ".patches"
+    patches.mkdir()
+    hunk = "@@ -1 +1 @@\n-STAGES = {}\n+STAGES = 3\n"
+    (patches / "three.patch").write_text(
+        "--- a/dmattn_cute/k.py\n+++ b/dmattn_cute/k.py\n" + hunk.format(2)
+    )
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    result = subprocess.run(
+        ["bash", "bench/branches.sh", "--no-tests"], check=False, cwd=repo, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (repo / ".branches/three/dmattn_cute/k.py").read_text() == "STAGES = 3\n"
+    assert (repo / "dmattn_cute/k.py").read_text() == "STAGES = 2\n"
+    assert not list((tmp_path / "out").glob("branch_*.log"))  # no pytest ran
+
+    (patches / "stale.patch").write_text(
+        "--- a/dmattn_cute/k.py\n+++ b/dmattn_cute/k.py\n" + hunk.format(5)
+    )
+    result = subprocess.run(
+        ["bash", "bench/branches.sh", "--no-tests"], check=False, cwd=repo, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1 and "stale: the patch does not apply" in result.stdout
