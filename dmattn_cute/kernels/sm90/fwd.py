@@ -10,9 +10,9 @@ first, since a random block mask leaves some rows twice the average. Three warpg
 
 - the producer (warps 0-3, few registers): warp 0 loads Q once (before the block bits are
   read, so that the two loads overlap) and K, V per visible key block by TMA into `stages`
-  smem stages, and the bias tile too when its rows allow (16-bit,
-  16-byte aligned: Sm90FwdSpec's `bias.tma_tiles`; a query-broadcast bias as one row of the
-  block's keys, which spares the producer's cp.async pipeline); all four warps load the mask
+  smem stages, and the bias tile too when its rows allow (16-bit, 16-byte aligned:
+  Sm90FwdSpec's `bias.tma_tiles`; a query-broadcast bias as one row of the block's keys,
+  which spares the producer's cp.async pipeline); all four warps load the mask
   tile, and a bias TMA cannot read, with predicated cp.async (any view: broadcast dims, odd
   strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
   copies land. A block's bias and mask go before its K and V.
@@ -497,7 +497,7 @@ class FlashFwdSm90:
 
         if warp == 0:
             # Q before the walk reads the block bits (all_full, then the producer's window):
-            # its load runs under those reads (H200: 2-3% off block-sparse forwards)
+            # its load runs under those reads (H200: 2-5% off block-mask forwards)
             if n_block_min < n_block_max:
                 self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b_op)
         if warp < 4:

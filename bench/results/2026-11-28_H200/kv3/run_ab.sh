@@ -5,12 +5,7 @@
 set -u
 source .device/activate.sh && source bench/carried.sh && export PYTHONPATH=.:${PYTHONPATH:-}
 nvidia-smi -L > "$OUT/device.txt"; date -u >> "$OUT/device.txt"
-rm -rf .branches
-for p in .patches/*.patch; do
-  name=$(basename "$p" .patch)
-  mkdir -p .branches/$name && cp -r dmattn_cute bench tests pyproject.toml README.md .branches/$name/
-  patch -s -p1 -d .branches/$name < "$p" || echo "patch $name failed"
-done
+rm -rf .branches && bash bench/branches.sh --no-tests  # (the recorded runs: an inline copy)
 AB_ROUNDS=${ROUNDS:-2} bash bench/ab.sh --suites ${SUITES:-bias sparse} --modes fwd --impls ours ${IMPLS:-} --only "${ONLY:-bf16( bias key( mask dense)?)?\$}"
 if [ -n "${BRANCH_TESTS:-}" ]; then
   (cd .branches/$BRANCH_TESTS && PYTHONPATH=.:$PYTHONPATH timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -p no:cacheprovider "${jobs[@]}" ${TEST_ARGS:-tests/test_fwd_gpu.py tests/test_edge_cases_gpu.py -k bias} > "$OUT/tests_$BRANCH_TESTS.log" 2>&1; tail -2 "$OUT/tests_$BRANCH_TESTS.log")
