@@ -10,6 +10,7 @@ from cutlass import cute
 
 from .utils import (
     acc_mn_view,
+    block_after,
     mul_rz,
     quad_allreduce_max,
     quad_allreduce_sum,
@@ -69,10 +70,12 @@ class OnlineSoftmax:
         self.rescale_output(acc_o, self.probabilities(acc_s))
 
     @cute.jit
-    def probabilities(self, acc_s: cute.Tensor) -> cute.Tensor:
+    def probabilities(self, acc_s: cute.Tensor, after_max=None) -> cute.Tensor:
         """Turn scores of one key block into probabilities in place; returns each row's
         correction of the output accumulator (rescale_output), which a kernel may apply once
-        the GEMM still adding into it has finished."""
+        the GEMM still adding into it has finished. after_max (bounded scores only): called
+        once every row's max is known, before the exponentials, in a basic block of its own
+        (utils.block_after), so that a wgmma wait in it stays there."""
         s_mn = acc_mn_view(acc_s)
         correction = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
         if cutlass.const_expr(self.huge_scores and not self.log2_units):
@@ -98,13 +101,25 @@ class OnlineSoftmax:
                     )
             return correction
         form = "log2" if cutlass.const_expr(self.log2_units) else "fma"
+        if cutlass.const_expr(after_max is None):
+            for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                row = s_mn[r, None].load()
+                block_max = quad_allreduce_max(
+                    row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+                )
+                new_max = cute.arch.fmax(self.row_max[r], block_max)
+                self.accept_row(s_mn, r, row, new_max, correction, form)
+            return correction
+        new_maxes = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            row = s_mn[r, None].load()
             block_max = quad_allreduce_max(
-                row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+                s_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
             )
-            new_max = cute.arch.fmax(self.row_max[r], block_max)
-            self.accept_row(s_mn, r, row, new_max, correction, form)
+            new_maxes[r] = cute.arch.fmax(self.row_max[r], block_max)
+        block_after(new_maxes.load().reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0))
+        after_max()
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            self.accept_row(s_mn, r, s_mn[r, None].load(), new_maxes[r], correction, form)
         return correction
 
     @cute.jit

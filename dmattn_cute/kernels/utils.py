@@ -149,6 +149,15 @@ def pack_f32x2(lo: cutlass.Float32, hi: cutlass.Float32, dtype, *, loc=None, ip=
 
 
 @cute.jit
+def block_after(value: cutlass.Float32):
+    """End the basic block after the computation of `value`: a branch on it (taken only for
+    a NaN, into a fence that changes nothing). ptxas moves a wgmma wait up to the top of its
+    block; a wait that follows this call stays below `value`."""
+    if value != value:  # noqa: PLR0124 (NaN)
+        cute.arch.fence_view_async_shared()
+
+
+@cute.jit
 def round_pairs(src: cute.Tensor, dst: cute.Tensor):
     """fp32 `src` rounded into the 16-bit `dst` of the same size, two elements per cvt: the
     packed words are what a register-operand wgmma reads, so none is rebuilt next to it."""
