@@ -1,7 +1,11 @@
 """Offline compiles of the kernels for every supported architecture (no GPU needed)."""
 
+import glob
+import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -264,6 +268,52 @@ def test_hopper_dense_walk_register_split() -> None:
     }
     plain = fwd_spec_for("sm_90a", 128, "bf16", None, ROW_BIAS, False, False)
     assert splits(fwd_ptx("sm_90a", plain)) == {("dec", 24), ("inc", 240)}
+
+
+def nvdisasm() -> str:
+    """nvdisasm from the test extra's nvidia-cuda-nvdisasm wheel, else a CUDA toolkit's."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec else []:
+        found = sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm")))
+        if found:
+            return found[-1]
+    path = shutil.which("nvdisasm")
+    assert path, "nvdisasm not found: pip install -e '.[test]' installs it"
+    return path
+
+
+def hopper_sass(spec: Sm90FwdSpec) -> list[str]:
+    """The SASS instructions of the cubin cute.compile builds for sm_90a (what runs)."""
+    with tempfile.TemporaryDirectory() as dump_dir:
+        cubin = spec.compile("sm_90a", f"--keep-cubin --dump-dir {dump_dir}").artifacts.CUBIN
+        path = os.path.join(dump_dir, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run(
+            [nvdisasm(), "-c", path], capture_output=True, text=True, check=True
+        ).stdout
+    return [op.strip() for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", text)]
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "mask"),
+    [(128, None), (128, FULL_MASK), (256, None)],
+    ids=["d128", "d128-mask", "d256"],
+)
+def test_hopper_forward_waits_for_pv_after_the_row_max(head_dim: int, mask) -> None:
+    """Without a bias, two consumers wait for the previous block's P V after the row max
+    (sm90/fwd.py's pv_wait_after_max): in every key-block loop the wait for all wgmmas
+    (DEPBAR 0x0) that follows the wait for S (0x1) comes after the max's four shuffles and
+    before any exponential. ptxas, left alone, hoists it above the shuffles."""
+    spec = fwd_spec_for("sm_90a", head_dim, "bf16", mask, None)
+    sass = hopper_sass(spec)
+    waits_for_s = [i for i, op in enumerate(sass) if op == "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+    assert len(waits_for_s) == (1 if mask is None else 2)  # a mask: a dense and a bits walk
+    for start in waits_for_s:
+        end = sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", start)
+        between = sass[start:end]
+        assert sum(op.startswith("SHFL.BFLY") for op in between) >= 4, between
+        assert not any(op.startswith("MUFU.EX2") for op in between), between
 
 
 @pytest.mark.parametrize("mask", [ROW_MASK, None], ids=["mask", "no-mask"])
