@@ -78,6 +78,8 @@ class OnlineSoftmax:
         (utils.block_after), so that a wgmma wait in it stays there."""
         s_mn = acc_mn_view(acc_s)
         correction = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
+        if cutlass.const_expr(after_max is not None and self.huge_scores):
+            raise ValueError("probabilities: after_max needs bounded scores")
         if cutlass.const_expr(self.huge_scores and not self.log2_units):
             # Each row's max, then one form for the whole warp (no divergence): the FMA of
             # bounded scores where every row's max * scale_log2 is moderate, the exact
