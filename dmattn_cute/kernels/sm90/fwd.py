@@ -869,11 +869,10 @@ class FlashFwdSm90:
                     mask_tiles,
                 )  # fmt: skip
                 pv_done = functools.partial(self.pv_done, pipe_v, prev)
-                correction = None
-                if cutlass.const_expr(self.pv_wait_after_max):
-                    correction = softmax.probabilities(acc_S, pv_done)
-                else:
-                    correction = softmax.probabilities(acc_S)
+                correction = softmax.probabilities(
+                    acc_S, pv_done if self.pv_wait_after_max else None
+                )
+                if cutlass.const_expr(not self.pv_wait_after_max):
                     pv_done()
                 softmax.rescale_output(acc_O, correction)
                 round_pairs(acc_S, rP)
