@@ -225,11 +225,24 @@ def test_forward_reads_the_block_mask_as_bits(launches) -> None:
     problem, _ = launch_block_mask(64, None, block_mask)
     ((spec, args),) = launches["calls"]  # no pre-pass: there is no attn_mask to read
     assert isinstance(spec, Sm90FwdSpec)
+    assert spec.ordered and spec.blocks_full  # a visible block needs no mask tile
     mask, bits = args[6], args[8]
     assert mask.shape == (2, 4, 1, 520) and mask.stride()[:3] == (0, 0, 0) and mask.all()
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     want = kernel_bits_view(block_bits(block_mask, problem, tile_m, tile_n, 4), -(-300 // tile_m))
     assert torch.equal(bits, want)
+
+
+def test_forward_with_a_mask_reads_its_tiles(launches) -> None:
+    """With attn_mask ANDed in, a visible block may be partial: the forward's mask tiles are
+    read where the bits say so (not blocks_full)."""
+    from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
+
+    mask = torch.rand(1, 1, 300, 520) < 0.5
+    launch_block_mask(64, mask, random_block_mask((2, 4, 3, 5), 0.5, "cpu"))
+    _, (spec, _) = launches["calls"]  # the mask's pre-pass, the forward
+    assert isinstance(spec, Sm90FwdSpec)
+    assert spec.ordered and not spec.blocks_full
 
 
 def test_wide_key_tiles_run_on_the_element_mask(launches) -> None:

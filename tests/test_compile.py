@@ -551,6 +551,21 @@ def test_hopper_block_mask_orders_compile(causal: bool, capfd) -> None:
         assert ("%nctaid.y" in fwd_ptx("sm_90a", bwd)) == (not det)
 
 
+def test_hopper_block_mask_alone_reads_no_mask_tile() -> None:
+    """A block mask without attn_mask (blocks_full): every block the forward walks is full,
+    so neither the producer's cp.async of mask tiles nor the consumers' mask branch is
+    built; with attn_mask ANDed in (not blocks_full) both are."""
+    args = ("sm_90a", "bf16", 128, BLOCK_KEY_MASK, ROW_BIAS, True, False, False, True)
+    alone = Sm90FwdSpec.build(*args, blocks_full=True)
+    ptx = fwd_ptx("sm_90a", alone)
+    check_fwd_ptx("sm_90a", ptx)
+    assert not re.search(r"cp\.async\.c[ag]\.shared\.global", ptx)
+    with_mask = fwd_ptx("sm_90a", Sm90FwdSpec.build(*args))
+    assert re.search(r"cp\.async\.c[ag]\.shared\.global", with_mask)
+    with pytest.raises(ValueError, match="blocks_full"):
+        Sm90FwdSpec.build(*args[:-1], False, blocks_full=True)
+
+
 EXPIRY = OperandSpec("i32", ("d", "d", "0", "1"), 4)  # key_expiry rows (kernels/expiry_launch.py)
 
 

@@ -238,6 +238,8 @@ def test_block_mask_calls_launch_listed_variants(launches, monkeypatch) -> None:
         listed = {spec for _, spec in precompile.variants("sm_90a", [pattern])}
         assert compiled and compiled <= listed, str(pattern)
         assert all(spec.ordered for spec in compiled if hasattr(spec, "ordered"))
+        # no attn_mask: the forward's visible blocks are all full
+        assert any(getattr(spec, "blocks_full", False) for spec in compiled), str(pattern)
 
 
 def test_list_and_bad_arguments(tmp_path: Path, capsys) -> None:

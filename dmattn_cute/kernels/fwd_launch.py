@@ -56,12 +56,13 @@ def forward_variants(
     bias = operand_view(bias)
     view, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
     view = operand_view(view)
-    spec = fwd_spec(problem, view, bias, arch, blocks is not None, paged)
+    alone = blocks is not None and not mask_given
+    spec = fwd_spec(problem, view, bias, arch, blocks is not None, paged, alone)
     if (
         not isinstance(spec, Sm90FwdSpec)
         or view is None
         or view.dtype in expiry_launch.EXPIRY_DTYPES
-        or (blocks is not None and not mask_given)
+        or alone
     ):
         return spec, None
     return spec, block_bits_spec(view, problem.seqlen_k, spec.tile.tile_m, spec.tile.tile_n)
@@ -92,13 +93,15 @@ def fwd_spec(
     arch: str,
     block_mask: bool = False,
     paged: bool = False,
+    blocks_full: bool = False,
 ) -> FwdSpec | Sm90FwdSpec:
     """The forward variant for a problem (mask/bias: kernel views from launch.operand_view;
-    block_mask: the mask's bits are a block mask's; paged: K and V from a page pool): the
-    warp-specialized wgmma kernel on sm_90a, the mma.sync kernel elsewhere."""
+    block_mask: the mask's bits are a block mask's; paged: K and V from a page pool;
+    blocks_full: the block mask alone, Sm90FwdSpec's field): the warp-specialized wgmma
+    kernel on sm_90a, the mma.sync kernel elsewhere."""
     seqlen_k = problem.seqlen_k
     mask_spec, bias_spec = operand_spec(mask, seqlen_k), operand_spec(bias, seqlen_k)
-    return _build(problem, mask_spec, bias_spec, arch, block_mask, paged)
+    return _build(problem, mask_spec, bias_spec, arch, block_mask, paged, blocks_full)
 
 
 def _build(
@@ -108,10 +111,12 @@ def _build(
     arch: str,
     block_mask: bool = False,
     paged: bool = False,
+    blocks_full: bool = False,
 ) -> FwdSpec | Sm90FwdSpec:
     """block_mask: the Hopper kernel's bits will be a block mask's, whose query blocks the
     launch orders (launch_order.forward_order); paged: K and V come from a page pool
-    (flash_fwd's block_table; the Hopper kernel only)."""
+    (flash_fwd's block_table; the Hopper kernel only); blocks_full: the block mask alone
+    (Sm90FwdSpec's field)."""
     family = forward_family(arch)
     args = (
         arch, dtype_name(problem.dtype), problem.head_dim, mask, bias, problem.has_window,
@@ -120,7 +125,7 @@ def _build(
     if family is Sm90FwdSpec:
         # narrow key tiles pay only where a mask skips them; without one they double the walk
         short = problem.seqlen_q <= SHORT_QUERY_ROWS and mask is not None
-        return family.build(*args, short, block_mask, paged)
+        return family.build(*args, short, block_mask, paged, blocks_full)
     if paged:
         raise ValueError(f"block_table: the kernels of {arch} read no paged cache")
     return family.build(*args)
@@ -161,7 +166,8 @@ def _plan(
 ) -> _FwdPlan:
     mask_spec = operand_spec(mask, problem.seqlen_k)
     bias_spec = operand_spec(bias, problem.seqlen_k)
-    spec = _build(problem, mask_spec, bias_spec, arch, block_mask, paged)
+    # a block mask without attn_mask is read as its bits alone (no pre-pass scans a mask)
+    spec = _build(problem, mask_spec, bias_spec, arch, block_mask, paged, block_mask and not scans)
     scalars = kernel_scalars(FwdScalars, problem, mask, bias)._replace(key_chunks=key_chunks)
     if key_chunks > 1:
         refusal = key_chunks_refusal(problem, mask, bias, key_chunks)

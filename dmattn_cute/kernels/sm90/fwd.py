@@ -124,6 +124,10 @@ class Sm90FwdSpec:
     # block n of row b is block n % (page_size / tile_n) of page pages[b, n * tile_n /
     # page_size]; page_size is a multiple of tile_n (fwd_launch.flash_fwd's block_table).
     paged: bool = False
+    # The bits are a block mask's alone (no attn_mask ANDed in; the mask view is the all-True
+    # key mask): a visible block needs no mask tile, the limits cut the tails of Sq and Sk,
+    # so every block a walk visits is FULL at compile time (no mask branch per block).
+    blocks_full: bool = False
 
     @staticmethod
     @functools.cache  # called on every launch; the tile search is pure
@@ -138,15 +142,19 @@ class Sm90FwdSpec:
         short_queries: bool = False,
         block_mask: bool = False,
         paged: bool = False,
+        blocks_full: bool = False,
     ) -> Sm90FwdSpec:
         """short_queries: at most config.SHORT_QUERY_ROWS query rows (narrower key tiles);
         block_mask: the mask's bits are a block mask's, whose query blocks the launch orders
-        (Sm90BwdSpec.build's block_mask the same); paged: see the field."""
+        (Sm90BwdSpec.build's block_mask the same); paged, blocks_full (with block_mask): see
+        the fields."""
+        if blocks_full and not block_mask:
+            raise ValueError("blocks_full: only with a block mask's bits")
         dp = padded_head_dim(head_dim)
         smem = _smem_operands(mask, bias)
         tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem, short_queries)
         return Sm90FwdSpec(
-            dtype, dp, tile, mask, bias, has_window, has_softcap, block_mask, paged
+            dtype, dp, tile, mask, bias, has_window, has_softcap, block_mask, paged, blocks_full
         )  # fmt: skip
 
     def section_heads(self, seqlen_k: int, group: int, pairs: int) -> int:
@@ -606,8 +614,9 @@ class FlashFwdSm90:
     @cute.jit
     def block_full(self, n_block, top, full, dense: cutlass.Constexpr[bool] = False):
         """FULL if key block n_block (in the walk's window: prev_visible) is full, else 0 (and
-        0 without a mask; FULL, known at compile time, in a dense walk: all_full)."""
-        if cutlass.const_expr(dense):
+        0 without a mask; FULL, known at compile time, in a dense walk: all_full, and for a
+        block mask alone: spec.blocks_full)."""
+        if cutlass.const_expr(dense or self.spec.blocks_full):
             return FULL
         flag = cutlass.Int32(0)
         if cutlass.const_expr(self.spec.mask is not None):
