@@ -9,11 +9,15 @@
 # is not always the fastest, so a few-percent difference needs both orders.
 #   source .device/activate.sh && [AB_TAG=bias] [AB_ROUNDS=2] bash bench/ab.sh \
 #       --suites bias --modes fwdbwd --impls ours --only 'bias key mask dense$'
+# With AB_PROBE=<script> each tree runs `python3 <script> [args]` (a probe of its own
+# timings, from the tree's root) in place of the benchmark, its output whole in
+# $OUT/probe_<tree>[_<tag>][_r<round>].log.
 set -uo pipefail
 out="${OUT:-/tmp/dmattn-out}"; mkdir -p "$out"
 root="$(pwd)"
 source bench/carried.sh
 rounds="${AB_ROUNDS:-1}"
+probe="${AB_PROBE:+$(realpath "$AB_PROBE")}"  # the same script in every tree
 trees=("$root")
 for dir in "$root"/.branches/*/; do
   [ -d "$dir" ] && trees+=("${dir%/}")
@@ -30,8 +34,13 @@ for ((round = 1; round <= rounds; round++)); do
     name="$name${AB_TAG:+_$AB_TAG}"
     ((rounds > 1)) && name="${name}_r$round"
     echo "== $name"
-    (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}" python3 -m bench.run \
-      --out "$out/ab_$name" "$@" 2>&1) | tee "$out/ab_$name.log" | grep -E "^[a-z]+ +(fwd|bwd)"
+    if [ -n "${AB_PROBE:-}" ]; then
+      (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}" python3 "$probe" "$@" 2>&1) |
+        tee "$out/probe_$name.log"
+    else
+      (cd "$dir" && PYTHONPATH="$dir:${PYTHONPATH:-}" python3 -m bench.run \
+        --out "$out/ab_$name" "$@" 2>&1) | tee "$out/ab_$name.log" | grep -E "^[a-z]+ +(fwd|bwd)"
+    fi
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
 done

@@ -349,3 +349,28 @@ def test_branches_builds_patched_trees_without_tests(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 1 and "stale: the patch does not apply" in result.stdout
+
+
+def test_ab_runs_a_probe_in_every_tree_in_both_orders(tmp_path: Path) -> None:
+    """bench/ab.sh with AB_PROBE: the probe runs from each tree's root (this one and every
+    .branches/<name>), every other round in reverse order, each output kept whole."""
+    root = Path(__file__).resolve().parents[1]
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    for script in ("ab.sh", "carried.sh"):
+        (repo / "bench" / script).write_text((root / "bench" / script).read_text())
+    (repo / ".branches" / "three").mkdir(parents=True)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, sys\nprint(os.path.basename(os.getcwd()), *sys.argv[1:])\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "AB_PROBE": str(probe), "AB_ROUNDS": "2"}
+    result = subprocess.run(
+        ["bash", "bench/ab.sh", "8"], check=False, cwd=repo, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    order = [line[3:] for line in result.stdout.splitlines() if line.startswith("== ")]
+    assert order == ["root_r1", "three_r1", "three_r2", "root_r2"]
+    assert (out / "probe_root_r2.log").read_text() == "repo 8\n"
+    assert (out / "probe_three_r1.log").read_text() == "three 8\n"
+    assert not list(out.glob("ab_*"))  # no benchmark ran
