@@ -870,12 +870,18 @@ class FlashFwdSm90:
                 pipe_v.consumer_wait(prev)
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], True, -1)
                 self.turn_pass(wg)
+                # the next block while the GEMMs run (a sparse walk's bit scan, and its bits
+                # read every 32 blocks, stay off the chain from S to the softmax)
+                full = self.block_full(n_block, top, full_bits, dense)
+                current = n_block
+                n_block, top, visible, full_bits = self.prev_visible(
+                    walk_bits, n_block - 1, n_block_min, top, visible, full_bits
+                )
                 warpgroup.wait_group(1)  # S of this block is complete
                 pipe_k.consumer_release(state)
                 mask_tiles = self.finish_scores(
-                    scores, acc_S, views, pipe_tiles, pipe_bias, state,
-                    self.block_full(n_block, top, full_bits, dense), limits, tScS, m_block, n_block,
-                    mask_tiles,
+                    scores, acc_S, views, pipe_tiles, pipe_bias, state, full, limits, tScS,
+                    m_block, current, mask_tiles,
                 )  # fmt: skip
                 pv_done = functools.partial(self.pv_done, pipe_v, prev)
                 correction = softmax.probabilities(
@@ -885,9 +891,6 @@ class FlashFwdSm90:
                     pv_done()
                 softmax.rescale_output(acc_O, correction)
                 round_pairs(acc_S, rP)
-                n_block, top, visible, full_bits = self.prev_visible(
-                    walk_bits, n_block - 1, n_block_min, top, visible, full_bits
-                )
             # Last block's P V.
             pipe_v.consumer_wait(state)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], True, 0)
