@@ -208,6 +208,9 @@ def test_joint_mask_widens_by_stride_0_or_declines() -> None:
     block_mask = torch.ones(2, 4, 1, 5, dtype=torch.bool)
     joint = joint_mask(None, block_mask, problem)  # a key mask of Sk True bytes
     assert joint.shape == (2, 4, 1, 520) and joint.stride()[:3] == (0, 0, 0) and joint.all()
+    # one view per block-mask shape, not one per call; another shape gets its own
+    assert joint_mask(None, block_mask.clone(), problem) is joint
+    assert joint_mask(None, block_mask[:1, :2], problem).shape == (1, 2, 1, 520)
     mask = broadcast_view(torch.rand(1, 1, 300, 520) < 0.5)
     joint = joint_mask(mask, block_mask, problem)
     assert joint.shape == (2, 4, 300, 520) and joint.stride()[:2] == (0, 0)
@@ -215,6 +218,22 @@ def test_joint_mask_widens_by_stride_0_or_declines() -> None:
     per_kv_head = broadcast_view(torch.rand(2, 2, 300, 520) < 0.5)
     assert joint_mask(per_kv_head, block_mask, problem) is None  # one head divisor for both
     assert joint_mask(per_kv_head, block_mask[:, :2], problem).shape == (2, 2, 300, 520)
+
+
+def test_kernel_bits_view_widens_only_what_needs_it() -> None:
+    """Bits [Bm, Hm, 1 or query tiles, key tiles] as the kernels index them: stride 0 on each
+    size-1 batch, head or query-tile dim; bits already so come back as they are (no view op
+    per call)."""
+    from dmattn_cute.kernels.block_bits_launch import kernel_bits_view
+
+    bits = torch.randint(0, 4, (2, 4, 3, 5), dtype=torch.uint8)
+    assert kernel_bits_view(bits, 3) is bits
+    row = bits[:1, :, :1].contiguous()  # one batch entry, one row of blocks for every query tile
+    view = kernel_bits_view(row, 3)
+    assert view.shape == (1, 4, 3, 5) and view.stride() == (0, 5, 0, 1)
+    assert torch.equal(view, row.expand(1, 4, 3, 5))
+    per_kv = bits[:, :1].contiguous()
+    assert kernel_bits_view(per_kv, 3).stride() == (15, 0, 5, 1)
 
 
 def test_forward_reads_the_block_mask_as_bits(launches) -> None:

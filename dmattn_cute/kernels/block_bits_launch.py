@@ -152,6 +152,8 @@ def kernel_bits_view(bits: torch.Tensor, m_blocks: int) -> torch.Tensor:
     with stride 0 on each size-1 batch, head or query-block dim."""
     shape = (*bits.shape[:2], m_blocks, bits.shape[3])
     strides = [0 if bits.shape[d] == 1 else bits.stride(d) for d in range(3)]
+    if bits.shape == shape and strides == [bits.stride(d) for d in range(3)]:
+        return bits  # already so: no view op per call
     return bits.as_strided(shape, (*strides, bits.stride(3)))
 
 

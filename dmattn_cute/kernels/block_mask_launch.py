@@ -53,8 +53,8 @@ def joint_mask(
     """The 4-D mask view a Hopper kernel reads next to a block mask's bits (see the module);
     None when attn_mask is per kv head and the block mask per query head (a group's heads
     would need bits of their own under one mask head)."""
-    if mask is None:
-        mask = _all_true(problem.seqlen_k, block_mask.device)
+    if mask is None:  # the same view for every call of a block mask's shape
+        return _all_true(problem.seqlen_k, block_mask.device, *block_mask.shape[:2])
     heads = max(mask.shape[1], block_mask.shape[1])
     if 1 < mask.shape[1] < heads:
         return None
@@ -62,7 +62,8 @@ def joint_mask(
     return broadcast_view(mask.expand(batch, heads, *mask.shape[2:]))
 
 
-# Key masks of Sk True bytes by (Sk, device): read-only, never written by a kernel.
+# Key masks of Sk True bytes, as 4-D views widened to a block mask's batch and heads, by (Sk,
+# device, batch, heads): read-only, never written by a kernel.
 _ALL_TRUE: dict[tuple, torch.Tensor] = {}
 # Bits of recent block masks (memo.remember_for): one block mask usually serves every layer's
 # forward and backward of a step, and its bits take ten small launches to build.
@@ -70,11 +71,12 @@ _BITS: dict[tuple, tuple] = {}
 _MEMO_MAX = 16
 
 
-def _all_true(seqlen_k: int, device: torch.device) -> torch.Tensor:
-    return remember(
-        _ALL_TRUE, (seqlen_k, device),
-        lambda: torch.ones((1, 1, 1, seqlen_k), dtype=torch.bool, device=device), _MEMO_MAX,
-    )  # fmt: skip
+def _all_true(seqlen_k: int, device: torch.device, batch: int, heads: int) -> torch.Tensor:
+    def make() -> torch.Tensor:
+        keys = torch.ones((1, 1, 1, seqlen_k), dtype=torch.bool, device=device)
+        return broadcast_view(keys.expand(batch, heads, 1, seqlen_k))
+
+    return remember(_ALL_TRUE, (seqlen_k, torch.device(device), batch, heads), make, _MEMO_MAX)
 
 
 def block_bits(
