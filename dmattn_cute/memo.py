@@ -1,6 +1,9 @@
 """One bounded memo for the host side's per-call lookups (validated problems, launch plans,
 block-bits pairings and decisions): the calls of a training or inference loop repeat a few
-shapes, so a table that is emptied when full keeps them all without an eviction order."""
+shapes, so a table that is emptied when full keeps them all without an eviction order.
+What is derived from a tensor (a mask's block bits, a block mask's launch order) is kept
+while the tensor lives: a model may hold one mask per layer, dozens at once, and each is
+made again every step."""
 
 from __future__ import annotations
 
@@ -26,22 +29,27 @@ def remember(table: dict, key: Hashable, make: Callable[[], Value], limit: int =
 
 
 def remember_for(
-    table: dict, tensor: torch.Tensor, key: Hashable, make: Callable[[], Value], limit: int = 16
+    table: dict, tensor: torch.Tensor, key: Hashable, make: Callable[[], Value], limit: int = 128
 ) -> Value:
     """What make() derives from `tensor` (and key), remembered for that tensor while it is
     unchanged: it is held weakly (another tensor that takes a dead one's id misses) and keyed
-    by its version (an in-place change misses). An inference tensor, which has no version
-    counter, is not remembered."""
+    by its version (an in-place change misses). The entry goes when the tensor does (the
+    previous step's masks, and their bits with them), so a table is emptied only when live
+    tensors fill it. An inference tensor, which has no version counter, is not remembered."""
     if tensor.is_inference():
         return make()
     slot = (id(tensor), tensor._version, key)
+    entry = table.get(slot)
+    if entry is not None and entry[0]() is tensor:
+        return entry[1]
 
-    def entry():
-        return weakref.ref(tensor), make()
+    def forget(_, slot=slot):
+        table.pop(slot, None)
 
-    owner, value = remember(table, slot, entry, limit)
-    if owner() is not tensor:
-        owner, value = table[slot] = entry()
+    if len(table) >= limit:
+        table.clear()
+    value = make()
+    table[slot] = (weakref.ref(tensor, forget), value)
     return value
 
 

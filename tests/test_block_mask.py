@@ -200,6 +200,29 @@ def test_block_bits_are_memoized_per_tensor_and_version() -> None:
     assert torch.equal(block_bits(frozen, problem, 128, 128, 4), changed)
 
 
+def test_a_block_mask_per_layer_keeps_its_bits_and_order() -> None:
+    """A model with a block mask per layer (each from its own bias): while the masks live,
+    each one's bits (forward and backward tiles) and launch order are built once, not again
+    every step (a table of 16 emptied when full rebuilt all of them for 40 layers)."""
+    from dmattn_cute.kernels.launch_order import forward_order
+
+    problem = Problem.from_tensors(
+        torch.empty(2, 300, 4, 32), torch.empty(2, 520, 2, 32), softmax_scale=1.0,
+        is_causal=False, softcap=0.0, window_left=-1, window_right=-1, deterministic=False,
+    )  # fmt: skip
+    layers = [random_block_mask((2, 2, 3, 5), 0.5, "cpu") for _ in range(40)]
+
+    def step():
+        made = []
+        for block_mask in layers:
+            bits = [block_bits(block_mask, problem, tile, 128, 4) for tile in (128, 64)]
+            made += [*bits, forward_order(block_mask, bits[0], problem, 128, 128, 2)]
+        return made
+
+    first = step()
+    assert all(a is b for a, b in zip(step(), first, strict=True))
+
+
 def test_joint_mask_widens_by_stride_0_or_declines() -> None:
     problem = Problem.from_tensors(
         torch.empty(2, 300, 4, 32), torch.empty(2, 520, 2, 32), softmax_scale=1.0,

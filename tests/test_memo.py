@@ -42,3 +42,46 @@ def test_remember_for_follows_the_tensor_and_its_version() -> None:
     remember_for(table, frozen, "k", derive(frozen))
     remember_for(table, frozen, "k", derive(frozen))
     assert len(made) == 5  # not remembered
+
+
+def test_remember_for_keeps_live_tensors_and_drops_dead_ones_when_full() -> None:
+    """Masks made anew every step, each used by a forward and a backward: what a mask left
+    goes with it, so the previous steps' dead masks never fill the table (emptied when full,
+    the step's earlier masks were made again for its backward); live ones alone overfilling
+    it empty it."""
+    import gc
+
+    import torch
+
+    from dmattn_cute.memo import remember_for
+
+    table, made = {}, []
+    for _ in range(5):
+        layers = [torch.rand(2) for _ in range(3)]
+        for _ in ("forward", "backward"):
+            for t in layers:
+                for key in ("bits", "order"):
+                    remember_for(table, t, key, lambda t=t: made.append(1) or t.sum(), limit=8)
+        del layers, t
+        gc.collect()
+        assert not table  # the step's bits went with its masks
+    assert len(made) == 5 * 3 * 2
+    crowd = [torch.zeros(1) for _ in range(9)]
+    for t in crowd:
+        remember_for(table, t, "bits", lambda: 0, limit=8)
+    assert len(table) == 1
+
+
+def test_remember_for_holds_a_mask_per_layer_of_a_deep_model() -> None:
+    """The default table holds 48 layers' masks, each with a forward and a backward entry."""
+    import torch
+
+    from dmattn_cute.memo import remember_for
+
+    table, made = {}, []
+    layers = [torch.rand(2) for _ in range(48)]
+    for _ in range(3):
+        for t in layers:
+            for key in ("forward", "backward"):
+                remember_for(table, t, key, lambda t=t: made.append(t) or t.sum())
+    assert len(made) == 48 * 2

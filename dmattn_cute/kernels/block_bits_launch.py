@@ -19,11 +19,10 @@ from .spec import OperandSpec
 
 Bits = TypeVar("Bits")
 
-# Bits of recent masks (memo.remember_for, on the tensor a kernel's mask view views): one
+# Bits of live masks (memo.remember_for, on the tensor a kernel's mask view views): one
 # attn_mask usually serves every layer's forward and backward of a step, and each pre-pass
 # reads all of it (134 MB at B2 Hkv4 S4096).
 _REMEMBERED: dict[tuple, tuple] = {}
-_REMEMBERED_MAX = 16
 
 
 def remembered_bits(
@@ -38,7 +37,7 @@ def remembered_bits(
         return make()
     base = mask if mask._base is None else mask._base
     where = (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype)
-    return remember_for(_REMEMBERED, base, (where, lengths, spec), make, _REMEMBERED_MAX)
+    return remember_for(_REMEMBERED, base, (where, lengths, spec), make)
 
 
 def mask_view(mask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:

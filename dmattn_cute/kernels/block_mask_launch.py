@@ -65,7 +65,7 @@ def joint_mask(
 # Key masks of Sk True bytes, as 4-D views widened to a block mask's batch and heads, by (Sk,
 # device, batch, heads): read-only, never written by a kernel.
 _ALL_TRUE: dict[tuple, torch.Tensor] = {}
-# Bits of recent block masks (memo.remember_for): one block mask usually serves every layer's
+# Bits of live block masks (memo.remember_for): one block mask usually serves every layer's
 # forward and backward of a step, and its bits take ten small launches to build.
 _BITS: dict[tuple, tuple] = {}
 _MEMO_MAX = 16

@@ -49,7 +49,7 @@ def _per_head(counts: torch.Tensor, heads: int) -> torch.Tensor:
     return counts.expand(counts.shape[0], heads, *counts.shape[2:])
 
 
-# Orders of recent block masks (memo.remember_for), by kernel, problem, tiles and sections.
+# Orders of live block masks (memo.remember_for), by kernel, problem, tiles and sections.
 _MASK_ORDERS: dict[tuple, torch.Tensor] = {}
 # Orders of the backward's causal/window limits alone, by problem, tiles and sections.
 _LIMIT_ORDERS: dict[tuple, torch.Tensor] = {}
