@@ -39,17 +39,13 @@ def remember_for(
     if tensor.is_inference():
         return make()
     slot = (id(tensor), tensor._version, key)
-    entry = table.get(slot)
-    if entry is not None and entry[0]() is tensor:
-        return entry[1]
 
-    def forget(_, slot=slot):
-        table.pop(slot, None)
+    def entry():
+        return weakref.ref(tensor, lambda _: table.pop(slot, None)), make()
 
-    if len(table) >= limit:
-        table.clear()
-    value = make()
-    table[slot] = (weakref.ref(tensor, forget), value)
+    owner, value = remember(table, slot, entry, limit)
+    if owner() is not tensor:
+        owner, value = table[slot] = entry()
     return value
 
 

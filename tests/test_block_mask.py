@@ -178,13 +178,18 @@ def test_kernel_bits_are_the_tiles_of_the_element_mask(tile_m, tile_n, rows) -> 
             assert torch.equal(got, want), (m, n)
 
 
-def test_block_bits_are_memoized_per_tensor_and_version() -> None:
-    """A block mask's bits are built once per (tensor, version, tiles): a second call returns
-    the same tensor; an in-place change of the block mask, or another tensor, rebuilds them."""
-    problem = Problem.from_tensors(
+def problem_300_520() -> Problem:
+    """B2 Sq300 Sk520 H4/2 D32, no causal/window limits."""
+    return Problem.from_tensors(
         torch.empty(2, 300, 4, 32), torch.empty(2, 520, 2, 32), softmax_scale=1.0,
         is_causal=False, softcap=0.0, window_left=-1, window_right=-1, deterministic=False,
     )  # fmt: skip
+
+
+def test_block_bits_are_memoized_per_tensor_and_version() -> None:
+    """A block mask's bits are built once per (tensor, version, tiles): a second call returns
+    the same tensor; an in-place change of the block mask, or another tensor, rebuilds them."""
+    problem = problem_300_520()
     block_mask = random_block_mask((2, 2, 3, 5), 0.5, "cpu")
     first = block_bits(block_mask, problem, 128, 128, 4)
     assert block_bits(block_mask, problem, 128, 128, 4) is first
@@ -206,10 +211,7 @@ def test_a_block_mask_per_layer_keeps_its_bits_and_order() -> None:
     every step (a table of 16 emptied when full rebuilt all of them for 40 layers)."""
     from dmattn_cute.kernels.launch_order import forward_order
 
-    problem = Problem.from_tensors(
-        torch.empty(2, 300, 4, 32), torch.empty(2, 520, 2, 32), softmax_scale=1.0,
-        is_causal=False, softcap=0.0, window_left=-1, window_right=-1, deterministic=False,
-    )  # fmt: skip
+    problem = problem_300_520()
     layers = [random_block_mask((2, 2, 3, 5), 0.5, "cpu") for _ in range(40)]
 
     def step():
@@ -224,10 +226,7 @@ def test_a_block_mask_per_layer_keeps_its_bits_and_order() -> None:
 
 
 def test_joint_mask_widens_by_stride_0_or_declines() -> None:
-    problem = Problem.from_tensors(
-        torch.empty(2, 300, 4, 32), torch.empty(2, 520, 2, 32), softmax_scale=1.0,
-        is_causal=False, softcap=0.0, window_left=-1, window_right=-1, deterministic=False,
-    )  # fmt: skip
+    problem = problem_300_520()
     block_mask = torch.ones(2, 4, 1, 5, dtype=torch.bool)
     joint = joint_mask(None, block_mask, problem)  # a key mask of Sk True bytes
     assert joint.shape == (2, 4, 1, 520) and joint.stride()[:3] == (0, 0, 0) and joint.all()

@@ -53,8 +53,19 @@ def joint_mask(
     """The 4-D mask view a Hopper kernel reads next to a block mask's bits (see the module);
     None when attn_mask is per kv head and the block mask per query head (a group's heads
     would need bits of their own under one mask head)."""
-    if mask is None:  # the same view for every call of a block mask's shape
-        return _all_true(problem.seqlen_k, block_mask.device, *block_mask.shape[:2])
+    if mask is None:  # Sk True bytes, one view for every call of a block mask's shape
+        seqlen_k, device = problem.seqlen_k, block_mask.device
+
+        def make() -> torch.Tensor:
+            keys = torch.ones((1, 1, 1, seqlen_k), dtype=torch.bool, device=device)
+            return _widened(keys, block_mask)
+
+        return remember(_ALL_TRUE, (seqlen_k, device, *block_mask.shape[:2]), make, _MEMO_MAX)
+    return _widened(mask, block_mask)
+
+
+def _widened(mask: torch.Tensor, block_mask: torch.Tensor) -> torch.Tensor | None:
+    """mask widened by stride 0 to the block mask's batch and heads (joint_mask)."""
     heads = max(mask.shape[1], block_mask.shape[1])
     if 1 < mask.shape[1] < heads:
         return None
@@ -69,14 +80,6 @@ _ALL_TRUE: dict[tuple, torch.Tensor] = {}
 # forward and backward of a step, and its bits take ten small launches to build.
 _BITS: dict[tuple, tuple] = {}
 _MEMO_MAX = 16
-
-
-def _all_true(seqlen_k: int, device: torch.device, batch: int, heads: int) -> torch.Tensor:
-    def make() -> torch.Tensor:
-        keys = torch.ones((1, 1, 1, seqlen_k), dtype=torch.bool, device=device)
-        return broadcast_view(keys.expand(batch, heads, 1, seqlen_k))
-
-    return remember(_ALL_TRUE, (seqlen_k, torch.device(device), batch, heads), make, _MEMO_MAX)
 
 
 def block_bits(
