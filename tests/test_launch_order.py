@@ -117,12 +117,16 @@ def test_forward_launch_passes_the_block_masks_order(launches, causal) -> None:
     problem, _ = launch_block_mask(64, None, block_mask, causal=causal)
     ((spec, args),) = launches["calls"]
     assert spec.ordered
-    order = args[9]
+    items = args[9]  # decoded: (query tile, head, batch, 0) per launch position
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
+    m_tiles = -(-300 // tile_m)
+    assert items.dtype == torch.int32 and items.shape == (2 * 4 * m_tiles, 4)
+    assert items.is_contiguous() and not items[:, 3].any()
+    order = (items[:, 2] * 4 + items[:, 1]) * m_tiles + items[:, 0]
     counts = tile_counts(block_mask, problem, tile_m, tile_n).sum(3).flatten(0, 1)
-    check_sorted(order, counts, spec.section_heads(520, 2, 8))
+    check_sorted(order.to(torch.int32), counts, spec.section_heads(520, 2, 8))
     launch_block_mask(64, None, block_mask, causal=causal)
-    assert launches["calls"][-1][1][9] is order
+    assert launches["calls"][-1][1][9] is items
     launch_block_mask(64, None, None, causal=causal)
     spec, args = launches["calls"][-1]
     assert not spec.ordered and args[9] is None

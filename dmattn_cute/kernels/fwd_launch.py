@@ -35,7 +35,7 @@ from .launch import (
     operand_view,
     qkv_view,
 )
-from .launch_order import forward_order
+from .launch_order import forward_items
 from .sm90.fwd import Sm90FwdSpec
 from .spec import OperandSpec
 
@@ -374,7 +374,7 @@ def flash_fwd(
             bits = kernel_bits_view(bits, -(-problem.seqlen_q // tile_m))
             group = problem.num_heads // problem.num_heads_kv
             pairs = problem.batch * problem.num_heads
-            order = forward_order(
+            order = forward_items(
                 blocks, from_blocks, problem, tile_m, tile_n,
                 spec.section_heads(problem.seqlen_k, group, pairs),
             )  # fmt: skip

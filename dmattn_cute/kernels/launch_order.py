@@ -79,6 +79,28 @@ def forward_order(
     return remember_for(_MASK_ORDERS, block_mask, key, make)
 
 
+def forward_items(
+    block_mask: torch.Tensor,
+    bits: torch.Tensor,
+    problem: Problem,
+    tile_m: int,
+    tile_n: int,
+    section_heads: int,
+) -> torch.Tensor:
+    """int32 [items, 4]: forward_order's items (same arguments) decoded, (query tile, head,
+    batch, 0) per launch position: a 16-byte row the Hopper forward loads at once, with no
+    integer division before its first TMA. Memoized per block mask, as the order is."""
+
+    def make() -> torch.Tensor:
+        items = forward_order(block_mask, bits, problem, tile_m, tile_n, section_heads).long()
+        m_tiles, heads = -(-problem.seqlen_q // tile_m), problem.num_heads
+        decoded = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads))
+        return torch.stack([*decoded, torch.zeros_like(items)], 1).to(torch.int32)
+
+    key = ("fwd items", problem, tile_m, tile_n, section_heads)
+    return remember_for(_MASK_ORDERS, block_mask, key, make)
+
+
 def walk_order(
     problem: Problem,
     tile_m: int,
@@ -117,4 +139,4 @@ def walk_order(
     return remember_for(_MASK_ORDERS, block_mask, key, make)
 
 
-__all__ = ["forward_order", "sorted_items", "walk_order", "walked_tiles"]
+__all__ = ["forward_items", "forward_order", "sorted_items", "walk_order", "walked_tiles"]

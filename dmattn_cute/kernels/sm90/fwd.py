@@ -118,7 +118,8 @@ class Sm90FwdSpec:
     has_window: bool
     has_softcap: bool
     # The CTAs take their (batch, head, query block) from an order the launch gives: a block
-    # mask's, sorted by visible key blocks, most first (launch_order.forward_order).
+    # mask's, sorted by visible key blocks, most first (launch_order.forward_order), each
+    # item decoded on the host (launch_order.forward_items: no integer division before Q).
     ordered: bool = False
     # K and V come from a pool of pages [pages, page_size, Hkv, D] (a paged kv cache): key
     # block n of row b is block n % (page_size / tile_n) of page pages[b, n * tile_n /
@@ -182,7 +183,12 @@ class Sm90FwdSpec:
         stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
         mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
         bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
-        order = fake_tensor("i32", ("1",), 4) if self.ordered else None
+        order = None
+        if self.ordered:  # [items, 4]: one 16-byte load per CTA
+            rows = cute.sym_int32()
+            order = cute.runtime.make_fake_tensor(
+                cutlass.Int32, (rows, 4), (4, 1), assumed_align=16
+            )
         pages = fake_tensor("i32", ("d", "1"), 4) if self.paged else None
         return [
             q, k, v, out, lse, stats, mask, bias, bits, order, pages, *FwdScalars(), env_stream()
@@ -265,7 +271,9 @@ class FlashFwdSm90:
         mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
-        mOrder: cute.Tensor | None,  # [B * H * query blocks] int32 (spec.ordered)
+        # [B * H * query blocks, 4] int32 (spec.ordered): (query block, head, batch, 0) per
+        # launch position
+        mOrder: cute.Tensor | None,
         mPages: cute.Tensor | None,  # [B, pages per row] int32 (spec.paged)
         scale_log2: cutlass.Float32,
         bias_scale: cutlass.Float32,
@@ -369,10 +377,9 @@ class FlashFwdSm90:
         m_block = cutlass.Int32(0)
         if cutlass.const_expr(self.spec.ordered):
             n_m, n_h, _ = cute.arch.grid_dim()
-            item = mOrder[m_rev + n_m * (h + n_h * b)]
-            m_block = item % n_m
-            h = item // n_m % n_h
-            b = item // (n_m * n_h)
+            item = cute.make_rmem_tensor((4,), cutlass.Int32)
+            item.store(mOrder[m_rev + n_m * (h + n_h * b), None].load())
+            m_block, h, b = item[0], item[1], item[2]
         else:
             if cutlass.const_expr(self.spec.has_window):
                 m_rev, h, b = self.longest_first(m_rev, h, b, seqlen_k, group)
@@ -482,14 +489,18 @@ class FlashFwdSm90:
         )
         n_block_min, n_block_max = limits.key_block_range(m_block)
         # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key blocks
-        # of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's key_chunks)
-        b_op = b // key_chunks
+        # of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's key_chunks;
+        # never with a block mask, whose launch alone is ordered)
+        b_op = b
+        if cutlass.const_expr(not spec.ordered):
+            b_op = b // key_chunks
         bits = None
         if cutlass.const_expr(spec.mask is not None):
             bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
-        n_block_min, n_block_max = masking.chunk_block_range(
-            bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
-        )
+        if cutlass.const_expr(not spec.ordered):
+            n_block_min, n_block_max = masking.chunk_block_range(
+                bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
+            )
 
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
