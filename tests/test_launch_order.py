@@ -114,17 +114,22 @@ def test_forward_launch_passes_the_block_masks_order(launches, causal) -> None:
     """The Hopper forward with a block mask gets its order (memoized with the block mask);
     without one, none (grid order, or longest_first's under causal limits)."""
     block_mask = random_block_mask((2, 2, 3, 5), 0.5, "cpu")
+    block_mask[0, :, 1] = True  # rows with every key tile visible (and more under causal)
     problem, _ = launch_block_mask(64, None, block_mask, causal=causal)
     ((spec, args),) = launches["calls"]
     assert spec.ordered
-    items = args[9]  # decoded: (query tile, head, batch, 0) per launch position
+    items = args[9]  # decoded: (query tile, head, batch, all visible) per launch position
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     m_tiles = -(-300 // tile_m)
     assert items.dtype == torch.int32 and items.shape == (2 * 4 * m_tiles, 4)
-    assert items.is_contiguous() and not items[:, 3].any()
+    assert items.is_contiguous()
     order = (items[:, 2] * 4 + items[:, 1]) * m_tiles + items[:, 0]
-    counts = tile_counts(block_mask, problem, tile_m, tile_n).sum(3).flatten(0, 1)
-    check_sorted(order.to(torch.int32), counts, spec.section_heads(520, 2, 8))
+    seen = tile_counts(block_mask, problem, tile_m, tile_n)
+    check_sorted(order.to(torch.int32), seen.sum(3).flatten(0, 1), spec.section_heads(520, 2, 8))
+    walked = tile_counts(torch.ones_like(block_mask), problem, tile_m, tile_n)
+    shown = (seen == walked).all(3).flatten()[order.long()]
+    assert shown.any() and not shown.all()
+    assert torch.equal(items[:, 3], shown.to(torch.int32))
     launch_block_mask(64, None, block_mask, causal=causal)
     assert launches["calls"][-1][1][9] is items
     launch_block_mask(64, None, None, causal=causal)

@@ -88,14 +88,19 @@ def forward_items(
     section_heads: int,
 ) -> torch.Tensor:
     """int32 [items, 4]: forward_order's items (same arguments) decoded, (query tile, head,
-    batch, 0) per launch position: a 16-byte row the Hopper forward loads at once, with no
-    integer division before its first TMA. Memoized per block mask, as the order is."""
+    batch, all visible) per launch position, all visible 1 where the limits leave the item
+    only key tiles its block mask shows (a block mask alone's dense walk, known without
+    reading bits): a 16-byte row the Hopper forward loads at once, with no integer division
+    and no bits read before its first TMAs. Memoized per block mask, as the order is."""
 
     def make() -> torch.Tensor:
         items = forward_order(block_mask, bits, problem, tile_m, tile_n, section_heads).long()
         m_tiles, heads = -(-problem.seqlen_q // tile_m), problem.num_heads
+        walked = walked_tiles(problem, tile_m, tile_n, bits.device)  # [Mq, Mk]
+        shown = walked_tiles(problem, tile_m, tile_n, bits.device, bits).sum(3) == walked.sum(1)
+        shown = _per_head(shown, heads).expand(problem.batch, heads, m_tiles).flatten()
         decoded = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads))
-        return torch.stack([*decoded, torch.zeros_like(items)], 1).to(torch.int32)
+        return torch.stack([*decoded, shown[items].long()], 1).to(torch.int32)
 
     key = ("fwd items", problem, tile_m, tile_n, section_heads)
     return remember_for(_MASK_ORDERS, block_mask, key, make)

@@ -370,21 +370,24 @@ class FlashFwdSm90:
 
     @cute.jit
     def position(self, mOrder: cute.Tensor | None, seqlen_q, seqlen_k, group):
-        """(query block, head, batch entry) of this CTA. With an order (spec.ordered), its
-        item at the CTA's launch position; else the last query blocks first (under causal,
-        the longest), in L2 sections of heads under causal/window limits (longest_first)."""
+        """(query block, head, batch entry, all visible) of this CTA. With an order
+        (spec.ordered), its item at the CTA's launch position, all visible whether the limits
+        leave it only visible key blocks; else the last query blocks first (under causal, the
+        longest), in L2 sections of heads under causal/window limits (longest_first), and
+        all visible 0 (unknown)."""
         m_rev, h, b = cute.arch.block_idx()
         m_block = cutlass.Int32(0)
+        shown = cutlass.Int32(0)
         if cutlass.const_expr(self.spec.ordered):
             n_m, n_h, _ = cute.arch.grid_dim()
             item = cute.make_rmem_tensor((4,), cutlass.Int32)
             item.store(mOrder[m_rev + n_m * (h + n_h * b), None].load())
-            m_block, h, b = item[0], item[1], item[2]
+            m_block, h, b, shown = item[0], item[1], item[2], item[3]
         else:
             if cutlass.const_expr(self.spec.has_window):
                 m_rev, h, b = self.longest_first(m_rev, h, b, seqlen_k, group)
             m_block = cute.ceil_div(seqlen_q, self.tile_m) - 1 - m_rev
-        return m_block, h, b
+        return m_block, h, b, shown
 
     @cute.kernel
     def kernel(
@@ -483,7 +486,7 @@ class FlashFwdSm90:
         # may start now: it waits for this grid the same way.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        m_block, h, b = self.position(mOrder, seqlen_q, seqlen_k, group)
+        m_block, h, b, shown = self.position(mOrder, seqlen_q, seqlen_k, group)
         limits = masking.BlockLimits(
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
@@ -531,7 +534,7 @@ class FlashFwdSm90:
                 n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k,
                 tma_bias, tBias, sBias, mPages,
             )  # fmt: skip
-            self.walk(self.produce, args, bits, n_block_min, n_block_max, producer=True)
+            self.walk(self.produce, args, bits, shown, n_block_min, n_block_max, producer=True)
         else:
             args = (
                 tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
@@ -539,17 +542,21 @@ class FlashFwdSm90:
                 m_block, n_block_min, n_block_max, h, b, scale_log2, bias_scale,
                 softcap_scale, softcap,
             )  # fmt: skip
-            self.walk(self.consume, args, bits, n_block_min, n_block_max, producer=False)
+            self.walk(self.consume, args, bits, shown, n_block_min, n_block_max, producer=False)
 
     @cute.jit
     def walk(
-        self, role, args, bits: cute.Tensor | None, n_block_min, n_block_max,
+        self, role, args, bits: cute.Tensor | None, shown, n_block_min, n_block_max,
         producer: cutlass.Constexpr[bool],
     ):  # fmt: skip
         """role(*args) (produce or consume) over the CTA's key blocks: as a dense walk where
-        every one is FULL (all_full), else by their bits; each after its register split."""
+        every one is FULL (all_full; for a block mask alone, every one visible: the item's
+        `shown`, read with it), else by their bits; each after its register split."""
         if cutlass.const_expr(self.spec.mask is not None):
-            if self.all_full(bits, n_block_min, n_block_max):
+            dense = shown != 0
+            if cutlass.const_expr(not self.spec.blocks_full):
+                dense = self.all_full(bits, n_block_min, n_block_max)
+            if dense:
                 self.take_registers(producer, self.dense_registers)
                 role(*args, dense=True)
             else:
