@@ -29,7 +29,7 @@ from torch import Tensor
 
 from dmattn_cute.attention import flash_dmattn_func
 from dmattn_cute.decode import decode_splits, packable, packed_decode, reads_pages
-from dmattn_cute.kernels.bwd_launch import sm_count
+from dmattn_cute.kernels.launch import sm_count
 from dmattn_cute.problem import broadcast_view, check_bool, check_broadcast, check_window_size
 
 

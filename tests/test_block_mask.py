@@ -91,6 +91,32 @@ def test_head_dims_and_deterministic_on_gpu(head_dim, deterministic) -> None:
     )
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "bias_shape", "causal"),
+    [
+        (64, torch.bfloat16, None, False),
+        (128, torch.float16, (2, 2, 1, 700), True),
+        (128, torch.bfloat16, (2, 1, 1, 700), False),
+    ],
+)
+def test_persistent_ctas_take_many_items(ctas, head_dim, dtype, bias_shape, causal, monkeypatch):
+    """A block mask alone on a Hopper forward whose CTAs each walk many items in turn (the
+    launch told there are `ctas` SMs): rows with no, some and every key block visible (the
+    dense walk) follow one another in a CTA; key tails, causal limits, a key bias."""
+    from dmattn_cute.kernels import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "sm_count", lambda device, arch: ctas)
+    q, k, v, _, bias = random_inputs(
+        2, 650, 700, 4, 2, head_dim, dtype, "cuda", bias_shape=bias_shape
+    )
+    block_mask = random_block_mask((2, 2, 6, 6), 0.5, "cuda")
+    block_mask[0, 0, 1] = False  # no visible key block
+    block_mask[1, :, 2:4] = True  # every key block visible
+    attention_and_grads(q, k, v, None, bias, block_mask, is_causal=causal)
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype", "error", "match"),
     [

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dmattn_cute.kernels.block_mask_launch import block_bits
-from dmattn_cute.kernels.launch_order import forward_order, sorted_items, walk_order
+from dmattn_cute.kernels.launch_order import forward_order, per_cta, sorted_items, walk_order
 from dmattn_cute.problem import Problem, make_problem
 from dmattn_cute.reference import visible_mask
 from tests.test_block_mask import element_mask, random_block_mask
@@ -85,6 +85,24 @@ def test_forward_order_sorts_query_tiles_by_visible_key_tiles(
     assert forward_order(block_mask, bits, problem, tile_m, tile_n, section) is order
 
 
+@pytest.mark.parametrize(("items", "ctas"), [(10, 4), (12, 4), (3, 8), (1, 1), (9, 9)])
+def test_per_cta_deals_waves_in_turn(items: int, ctas: int) -> None:
+    """Every item once; wave w of CTA c is item w * CTAs + c, or (odd waves) w * CTAs +
+    CTAs - 1 - c; past the last item, rows of -1 that end a CTA's list."""
+    rows = torch.stack([torch.arange(items, dtype=torch.int32)] * 4, 1)
+    dealt = per_cta(rows, ctas)
+    n = min(ctas, items)
+    waves = -(-items // n)
+    assert dealt.shape == (n, waves, 4) and dealt.is_contiguous()
+    for c in range(n):
+        for w in range(waves):
+            index = w * n + (n - 1 - c if w % 2 else c)
+            want = rows[index] if index < items else torch.full((4,), -1, dtype=torch.int32)
+            assert torch.equal(dealt[c, w], want)
+    ends = dealt[:, :, 0] < 0
+    assert not ends[:, :-1].any() and int(ends.sum()) == n * waves - items
+
+
 @pytest.mark.parametrize(("seqlen_q", "seqlen_k", "heads", "heads_kv", "mask", "causal", "window"),
                          CASES)  # fmt: skip
 @pytest.mark.parametrize("sms", [2, 132])
@@ -117,12 +135,13 @@ def test_forward_launch_passes_the_block_masks_order(launches, causal) -> None:
     block_mask[0, :, 1] = True  # rows with every key tile visible (and more under causal)
     problem, _ = launch_block_mask(64, None, block_mask, causal=causal)
     ((spec, args),) = launches["calls"]
-    assert spec.ordered
-    items = args[9]  # decoded: (query tile, head, batch, all visible) per launch position
+    assert spec.ordered and spec.persistent  # a block mask alone, D64: O fits beside Q
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     m_tiles = -(-300 // tile_m)
-    assert items.dtype == torch.int32 and items.shape == (2 * 4 * m_tiles, 4)
-    assert items.is_contiguous()
+    dealt = args[9]  # per CTA (min(132 planning SMs, items) of them), in waves
+    assert dealt.dtype == torch.int32 and dealt.is_contiguous()
+    assert dealt.shape == (2 * 4 * m_tiles, 1, 4)
+    items = dealt[:, 0]  # decoded: (query tile, head, batch, all visible) per launch position
     order = (items[:, 2] * 4 + items[:, 1]) * m_tiles + items[:, 0]
     seen = tile_counts(block_mask, problem, tile_m, tile_n)
     check_sorted(order.to(torch.int32), seen.sum(3).flatten(0, 1), spec.section_heads(520, 2, 8))
@@ -131,7 +150,7 @@ def test_forward_launch_passes_the_block_masks_order(launches, causal) -> None:
     assert shown.any() and not shown.all()
     assert torch.equal(items[:, 3], shown.to(torch.int32))
     launch_block_mask(64, None, block_mask, causal=causal)
-    assert launches["calls"][-1][1][9] is items
+    assert launches["calls"][-1][1][9] is dealt
     launch_block_mask(64, None, None, causal=causal)
     spec, args = launches["calls"][-1]
     assert not spec.ordered and args[9] is None

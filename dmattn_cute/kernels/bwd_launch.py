@@ -13,7 +13,6 @@ and cast (see kernels/bwd.py).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -36,6 +35,7 @@ from .launch import (
     operand_spec,
     operand_view,
     qkv_view,
+    sm_count,
     stride_kinds,
 )
 from .launch_order import walk_order
@@ -70,22 +70,6 @@ def dbias_plan(
         det and bm == 1 and problem.batch > 1,
         det and hm == 1 and problem.num_heads_kv > 1,
     )
-
-
-# SMs of an architecture's largest GPU (H100/H200 SXM), for plans made without a GPU.
-_PLANNING_SMS = {"sm_90a": 132}
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device, arch: str) -> int:
-    """SMs of `device`, or of `arch`'s largest GPU for a device that is not CUDA (planning)."""
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return _PLANNING_SMS.get(arch, 108)
 
 
 # Query rows per CTA of a masked Hopper backward's key block (about; see query_splits).

@@ -34,6 +34,7 @@ from .launch import (
     operand_spec,
     operand_view,
     qkv_view,
+    sm_count,
 )
 from .launch_order import forward_items
 from .sm90.fwd import Sm90FwdSpec
@@ -374,9 +375,10 @@ def flash_fwd(
             bits = kernel_bits_view(bits, -(-problem.seqlen_q // tile_m))
             group = problem.num_heads // problem.num_heads_kv
             pairs = problem.batch * problem.num_heads
+            ctas = sm_count(q.device, arch) if spec.persistent else 0
             order = forward_items(
                 blocks, from_blocks, problem, tile_m, tile_n,
-                spec.section_heads(problem.seqlen_k, group, pairs),
+                spec.section_heads(problem.seqlen_k, group, pairs), ctas,
             )  # fmt: skip
         plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, block_table, *plan.scalars)
     elif isinstance(plan.spec, Sm90FwdSpec):

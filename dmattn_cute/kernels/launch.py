@@ -5,6 +5,7 @@ arguments, named as the kernel names them.
 
 from __future__ import annotations
 
+import functools
 from typing import TypeVar
 
 import torch
@@ -112,3 +113,19 @@ def kernel_scalars(
         "key_chunks": 1,  # fwd_launch.flash_fwd sets its own
     }
     return kind(**{name: values[name] for name in kind._fields})
+
+
+# SMs of an architecture's largest GPU (H100/H200 SXM), for plans made without a GPU.
+_PLANNING_SMS = {"sm_90a": 132}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, arch: str) -> int:
+    """SMs of `device`, or of `arch`'s largest GPU for a device that is not CUDA (planning)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _PLANNING_SMS.get(arch, 108)

@@ -86,12 +86,15 @@ def forward_items(
     tile_m: int,
     tile_n: int,
     section_heads: int,
+    ctas: int = 0,
 ) -> torch.Tensor:
     """int32 [items, 4]: forward_order's items (same arguments) decoded, (query tile, head,
     batch, all visible) per launch position, all visible 1 where the limits leave the item
     only key tiles its block mask shows (a block mask alone's dense walk, known without
     reading bits): a 16-byte row the Hopper forward loads at once, with no integer division
-    and no bits read before its first TMAs. Memoized per block mask, as the order is."""
+    and no bits read before its first TMAs. With `ctas` (a persistent forward), the same
+    items as int32 [CTAs, items per CTA, 4] (per_cta). Memoized per block mask, as the order
+    is."""
 
     def make() -> torch.Tensor:
         items = forward_order(block_mask, bits, problem, tile_m, tile_n, section_heads).long()
@@ -100,10 +103,26 @@ def forward_items(
         shown = walked_tiles(problem, tile_m, tile_n, bits.device, bits).sum(3) == walked.sum(1)
         shown = _per_head(shown, heads).expand(problem.batch, heads, m_tiles).flatten()
         decoded = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads))
-        return torch.stack([*decoded, shown[items].long()], 1).to(torch.int32)
+        decoded = torch.stack([*decoded, shown[items].long()], 1).to(torch.int32)
+        return per_cta(decoded, ctas) if ctas else decoded
 
-    key = ("fwd items", problem, tile_m, tile_n, section_heads)
+    key = ("fwd items", problem, tile_m, tile_n, section_heads, ctas)
     return remember_for(_MASK_ORDERS, block_mask, key, make)
+
+
+def per_cta(items: torch.Tensor, ctas: int) -> torch.Tensor:
+    """items [n, 4] (most work first) dealt to min(ctas, n) persistent CTAs as [CTAs, waves,
+    4]: wave w takes the next CTAs-many items, every other wave dealt in reverse (CTA 0
+    takes the first of wave 0, the last of wave 1, ...), so that each CTA's sum of work is
+    about even; the last wave's missing items are rows of -1 (past a CTA's last item)."""
+    n = items.shape[0]
+    ctas = max(1, min(ctas, n))
+    waves = -(-n // ctas)
+    dealt = items.new_full((waves * ctas, 4), -1)
+    dealt[:n] = items
+    dealt = dealt.view(waves, ctas, 4)
+    dealt[1::2] = dealt[1::2].flip(1)
+    return dealt.transpose(0, 1).contiguous()
 
 
 def walk_order(
@@ -144,4 +163,11 @@ def walk_order(
     return remember_for(_MASK_ORDERS, block_mask, key, make)
 
 
-__all__ = ["forward_items", "forward_order", "sorted_items", "walk_order", "walked_tiles"]
+__all__ = [
+    "forward_items",
+    "forward_order",
+    "per_cta",
+    "sorted_items",
+    "walk_order",
+    "walked_tiles",
+]

@@ -58,7 +58,7 @@ import cutlass.utils.hopper_helpers as hopper
 from cutlass import cute, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ...jit.arch import compile_options
+from ...jit.arch import compile_options, smem_capacity
 from .. import masking, operands, tiles
 from ..config import (
     Sm90FwdTile,
@@ -167,10 +167,25 @@ class Sm90FwdSpec:
         return min(kv_heads * group, pairs)
 
     def smem_buffers(self) -> tuple[SmemBuffer, ...]:
+        """FlashFwdSm90's shared memory: config.sm90_fwd_smem_buffers, and O's own buffer
+        where the CTA is persistent (`persistent`)."""
         smem = _smem_operands(self.mask, self.bias)
-        return sm90_fwd_smem_buffers(
-            self.tile, self.head_dim_padded, dtype_bytes(self.dtype), *smem
-        )
+        eb = dtype_bytes(self.dtype)
+        buffers = sm90_fwd_smem_buffers(self.tile, self.head_dim_padded, eb, *smem)
+        out = SmemBuffer("o", self.tile.tile_m * self.head_dim_padded * eb, 1024)
+        persistent = self.blocks_full and not self.paged and self.tile.consumer_warpgroups == 2
+        if persistent and smem_total((*buffers, out)) <= smem_capacity("sm_90a"):
+            buffers += (out,)
+        return buffers
+
+    @functools.cached_property
+    def persistent(self) -> bool:
+        """A block mask alone, two consumers, and room for O beside Q: one CTA per SM takes
+        a list of items (launch_order.forward_items' per-CTA layout), and its next item's Q
+        and first key blocks load under the end of the current one, whose O goes through a
+        buffer of its own. No mask stage is ever filled (blocks_full), so none carries over
+        from one item to the next."""
+        return any(buffer.name == "o" for buffer in self.smem_buffers())
 
     def smem_bytes(self) -> int:
         return smem_total(self.smem_buffers())
@@ -184,7 +199,11 @@ class Sm90FwdSpec:
         mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
         bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
         order = None
-        if self.ordered:  # [items, 4]: one 16-byte load per CTA
+        if self.persistent:  # [CTAs, items per CTA, 4]
+            shape = (cute.sym_int32(), cute.sym_int32(), 4)
+            stride = (cute.sym_int64(divisibility=4), 4, 1)
+            order = cute.runtime.make_fake_tensor(cutlass.Int32, shape, stride, assumed_align=16)
+        elif self.ordered:  # [items, 4]: one 16-byte load per CTA
             rows = cute.sym_int32()
             order = cute.runtime.make_fake_tensor(
                 cutlass.Int32, (rows, 4), (4, 1), assumed_align=16
@@ -335,6 +354,8 @@ class FlashFwdSm90:
                 )
         # batch from O: with key chunks every chunk of a row is a batch entry
         grid = (cute.ceil_div(mQ.shape[1], tm), mQ.shape[2], mO.shape[0])
+        if cutlass.const_expr(self.spec.persistent):
+            grid = (mOrder.shape[0], 1, 1)
         seqlen_k = mK.shape[1]
         if cutlass.const_expr(self.spec.paged):
             seqlen_k = mPages.shape[1] * mK.shape[1]  # a row's pages, page_size keys each
@@ -486,24 +507,9 @@ class FlashFwdSm90:
         # may start now: it waits for this grid the same way.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        m_block, h, b, shown = self.position(mOrder, seqlen_q, seqlen_k, group)
         limits = masking.BlockLimits(
             seqlen_q, seqlen_k, window_left, window_right, tm, tn, spec.has_window
         )
-        n_block_min, n_block_max = limits.key_block_range(m_block)
-        # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key blocks
-        # of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's key_chunks;
-        # never with a block mask, whose launch alone is ordered)
-        b_op = b
-        if cutlass.const_expr(not spec.ordered):
-            b_op = b // key_chunks
-        bits = None
-        if cutlass.const_expr(spec.mask is not None):
-            bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
-        if cutlass.const_expr(not spec.ordered):
-            n_block_min, n_block_max = masking.chunk_block_range(
-                bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
-            )
 
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
@@ -521,28 +527,137 @@ class FlashFwdSm90:
                 tile_smem[name] = operands.smem_stages(
                     smem[name], dtype, op, tm, tn, st, stride, 128
                 )
+        produced = (
+            tK, tV, sK, sV, mMask, mBias, tile_smem, tma_k, tma_v, pipe_k, pipe_v, pipe_tiles,
+            pipe_bias, limits, mask_head_div, bias_head_div, group, seqlen_k, tma_bias, tBias,
+            sBias, mPages,
+        )  # fmt: skip
+        consumed = (
+            tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, tma_o, pipe_q, pipe_k, pipe_v,
+            pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, limits, scale_log2, bias_scale,
+            softcap_scale, softcap,
+        )  # fmt: skip
 
-        if warp == 0:
-            # Q before the walk reads the block bits (all_full, then the producer's window):
-            # its load runs under those reads (H200: 2-5% off block-mask forwards)
-            if n_block_min < n_block_max:
-                self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b_op)
-        if warp < 4:
-            args = (
-                tK, tV, sK, sV, mMask, mBias, bits, tile_smem, tma_k, tma_v,
-                pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
-                n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k,
-                tma_bias, tBias, sBias, mPages,
-            )  # fmt: skip
-            self.walk(self.produce, args, bits, shown, n_block_min, n_block_max, producer=True)
+        if cutlass.const_expr(spec.persistent):
+            sO = tiles.swizzled_smem_tensor(smem["o"], self.dtype, sQ_layout)
+            if warp < 4:
+                self.produce_items(
+                    produced, limits, mask_head_div, mOrder, mBits, tma_q, tQ, sQ, pipe_q
+                )
+            else:
+                self.consume_items(consumed, limits, mask_head_div, mOrder, mBits, sO)
         else:
-            args = (
-                tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
-                pipe_v, pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits,
-                m_block, n_block_min, n_block_max, h, b, scale_log2, bias_scale,
-                softcap_scale, softcap,
-            )  # fmt: skip
-            self.walk(self.consume, args, bits, shown, n_block_min, n_block_max, producer=False)
+            m_block, h, b, shown = self.position(mOrder, seqlen_q, seqlen_k, group)
+            n_block_min, n_block_max = limits.key_block_range(m_block)
+            # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key
+            # blocks of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's
+            # key_chunks; never with a block mask, whose launch alone is ordered)
+            b_op = b
+            if cutlass.const_expr(not spec.ordered):
+                b_op = b // key_chunks
+            bits = None
+            if cutlass.const_expr(spec.mask is not None):
+                bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
+            if cutlass.const_expr(not spec.ordered):
+                n_block_min, n_block_max = masking.chunk_block_range(
+                    bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
+                )
+            if warp == 0:
+                # Q before the walk reads the block bits (all_full, then the producer's
+                # window): its load runs under those reads (H200: 2-5% off block-mask forwards)
+                if n_block_min < n_block_max:
+                    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                    self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b_op, q_state)
+            tile = (m_block, n_block_min, n_block_max, h, b_op, bits)
+            if warp < 4:
+                args = (produced, tile, self.kv_state(True))
+                self.walk(self.produce, args, bits, shown, n_block_min, n_block_max, producer=True)
+            else:
+                self.first_turn()
+                tile = (m_block, n_block_min, n_block_max, h, b, bits)
+                args = (consumed, tile, self.kv_state(False), None, sQ)
+                self.walk(
+                    self.consume, args, bits, shown, n_block_min, n_block_max, producer=False
+                )  # fmt: skip
+
+    def kv_state(self, producer: bool) -> pipeline.PipelineState:
+        """The K / V (and mask / bias) stages' pipeline state before a CTA's first block."""
+        kind = (
+            pipeline.PipelineUserType.Producer if producer else pipeline.PipelineUserType.Consumer
+        )
+        return pipeline.make_pipeline_state(kind, self.stages)
+
+    @cute.jit
+    def item_at(self, mOrder: cute.Tensor, j):
+        """(query block, head, batch, all visible) of this CTA's item j (spec.persistent);
+        query block -1 past its last. Read into registers now, waited for where first used."""
+        item = cute.make_rmem_tensor((4,), cutlass.Int32)
+        item.fill(-1)
+        if j < mOrder.shape[1]:
+            item.store(mOrder[cute.arch.block_idx()[0], j, None].load())
+        return item[0], item[1], item[2], item[3]
+
+    @cute.jit
+    def produce_items(self, produced, limits, mask_head_div, mOrder, mBits, tma_q, tQ, sQ, pipe_q):
+        """The producer of a persistent CTA (spec.persistent): Q, then the walk's bias, K and
+        V, of each of its items in turn; the stages' states carry over from one item to the
+        next, so the next item's Q and first blocks load while the consumers finish this
+        one (Q as soon as they have released it: their last Q K^T has completed)."""
+        self.take_registers(True, self.registers)
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        state = self.kv_state(True)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        j = cutlass.Int32(0)
+        m_block, h, b, shown = self.item_at(mOrder, j)
+        while m_block >= 0:
+            next_item = self.item_at(mOrder, j + 1)
+            n_block_min, n_block_max = limits.key_block_range(m_block)
+            bits = mBits[b, h // mask_head_div, m_block, None]
+            if warp == 0:
+                self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b, q_state)
+            q_state.advance()
+            tile = (m_block, n_block_min, n_block_max, h, b, bits)
+            if shown != 0:
+                state = self.produce(produced, tile, state, dense=True)
+            else:
+                state = self.produce(produced, tile, state)
+            m_block, h, b, shown = next_item
+            j += 1
+
+    @cute.jit
+    def consume_items(self, consumed, limits, mask_head_div, mOrder, mBits, sO):
+        """The consumers of a persistent CTA (spec.persistent): each of its items in turn,
+        the stages' states carried over; O goes through its own buffer sO (not over sQ, which
+        the next item's Q refills meanwhile), each TMA store's reads of it waited for before
+        the next item's O overwrites it."""
+        self.take_registers(False, self.registers)
+        self.first_turn()
+        state = self.kv_state(False)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        j = cutlass.Int32(0)
+        m_block, h, b, shown = self.item_at(mOrder, j)
+        while m_block >= 0:
+            next_item = self.item_at(mOrder, j + 1)
+            n_block_min, n_block_max = limits.key_block_range(m_block)
+            bits = mBits[b, h // mask_head_div, m_block, None]
+            tile = (m_block, n_block_min, n_block_max, h, b, bits)
+            if shown != 0:
+                state = self.consume(consumed, tile, state, q_state, sO, dense=True)
+            else:
+                state = self.consume(consumed, tile, state, q_state, sO)
+            q_state.advance()
+            m_block, h, b, shown = next_item
+            j += 1
+        if cute.arch.thread_idx()[0] - 128 < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO is read before the CTA exits
+
+    @cute.jit
+    def first_turn(self):
+        """The first consumer takes the first turn at the tensor cores (take_turns)."""
+        if cutlass.const_expr(self.take_turns):
+            wg = cute.arch.make_warp_uniform((cute.arch.thread_idx()[0] - 128) // 128)
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER, number_of_threads=256)
 
     @cute.jit
     def walk(
@@ -642,15 +757,17 @@ class FlashFwdSm90:
         return flag
 
     @cute.jit
-    def produce(
-        self, tK, tV, sK, sV, mMask, mBias, bits, tile_smem, tma_k, tma_v,
-        pipe_k, pipe_v, pipe_tiles, pipe_bias, limits, m_block, n_block_min,
-        n_block_max, h, b_op, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
-        tBias, sBias, mPages, dense: cutlass.Constexpr[bool] = False,
-    ):  # fmt: skip
+    def produce(self, produced, tile, state, dense: cutlass.Constexpr[bool] = False):
         """The producer warpgroup (Q is already on its way: load_q): the bias, mask, K and V
-        of every visible key block from the last to the first, each into the next free stage
-        (b_op: the row of Q, K, V, the mask and the bias)."""
+        of every visible key block of `tile` from the last to the first, each into the next
+        free stage from `state` on (b_op: the row of Q, K, V, the mask and the bias).
+        Returns the state after the walk."""
+        (
+            tK, tV, sK, sV, mMask, mBias, tile_smem, tma_k, tma_v, pipe_k, pipe_v, pipe_tiles,
+            pipe_bias, limits, mask_head_div, bias_head_div, group, seqlen_k, tma_bias, tBias,
+            sBias, mPages,
+        ) = produced  # fmt: skip
+        m_block, n_block_min, n_block_max, h, b_op, bits = tile
         spec = self.spec
         tm, tn = self.tile_m, self.tile_n
         tidx = cute.arch.thread_idx()[0]
@@ -693,7 +810,6 @@ class FlashFwdSm90:
                     op, tcopy, used, gX, cX, sX, row_end, seqlen_k, tidx, walk_queries=False
                 )
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         mask_tiles = cutlass.Int32(0)  # mask stages filled so far (mask_only_tiles)
         walk_bits = None if dense else bits  # (a dense walk steps down one block at a time)
         n_block, top, visible, full_bits = self.prev_visible(
@@ -749,9 +865,10 @@ class FlashFwdSm90:
                 walk_bits, n_block - 1, n_block_min, top, visible, full_bits
             )
             page = self.page_of(mPages, b_op, n_block, n_block_min, page_blocks)
+        return state
 
     @cute.jit
-    def load_q(self, tma_q, tQ, sQ, pipe_q, m_block, h, b_op):
+    def load_q(self, tma_q, tQ, sQ, pipe_q, m_block, h, b_op, q_state):
         """The query block by TMA into sQ (warp 0; one box)."""
         gQ = cute.local_tile(
             tQ[None, None, h, b_op], (self.tile_m, self.head_dim_padded), (m_block, 0)
@@ -759,7 +876,6 @@ class FlashFwdSm90:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
         )
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
@@ -787,13 +903,19 @@ class FlashFwdSm90:
 
     @cute.jit
     def consume(
-        self, tO, sQ, sK, sV, mLSE, mStats, bits, tile_smem, sBias, tma_o, pipe_q, pipe_k,
-        pipe_v, pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, sQ_layout, limits, m_block,
-        n_block_min, n_block_max, h, b, scale_log2, bias_scale, softcap_scale, softcap,
-        dense: cutlass.Constexpr[bool] = False,
+        self, consumed, tile, state, q_state, sO, dense: cutlass.Constexpr[bool] = False
     ):  # fmt: skip
         """A consumer warpgroup: its 64 rows of the query block against every visible key
-        block, then the epilogue."""
+        block of `tile`, the stages read from `state` on, then the epilogue (O through sO).
+        q_state: Q's stage of this tile in a persistent CTA (released once every Q K^T has
+        completed), else None (sQ filled once, and sO over it). Returns the state after the
+        walk."""
+        (
+            tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, tma_o, pipe_q, pipe_k, pipe_v,
+            pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, limits, scale_log2, bias_scale,
+            softcap_scale, softcap,
+        ) = consumed  # fmt: skip
+        m_block, n_block_min, n_block_max, h, b, bits = tile
         spec = self.spec
         tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
         tidx = cute.arch.thread_idx()[0] - 128
@@ -839,15 +961,13 @@ class FlashFwdSm90:
             cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None,
             log2_units,
         )  # fmt: skip
-        if cutlass.const_expr(self.take_turns):
-            if wg == 0:  # the first consumer takes the first turn
-                cute.arch.barrier_arrive(barrier_id=_TURN_BARRIER, number_of_threads=256)
 
-        if n_block_min < n_block_max:
+        if cutlass.const_expr(q_state is not None):
+            pipe_q.consumer_wait(q_state)
+        elif n_block_min < n_block_max:
             pipe_q.consumer_wait(
                 pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             )
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, st)
         mask_tiles = cutlass.Int32(0)  # mask stages read so far (mask_only_tiles)
         walk_bits = None if dense else bits  # (a dense walk steps down one block at a time)
         n_block, top, visible, full_bits = self.prev_visible(
@@ -909,10 +1029,13 @@ class FlashFwdSm90:
                     pv_done()
                 softmax.rescale_output(acc_O, correction)
                 round_pairs(acc_S, rP)
+            self.release_q(pipe_q, q_state)  # every Q K^T of the tile has completed
             # Last block's P V.
             pipe_v.consumer_wait(state)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], True, 0)
             pipe_v.consumer_release(state)
+        else:
+            self.release_q(pipe_q, q_state)
 
         # ---- epilogue: normalize; LSE and stats (rmem -> gmem); O (rmem -> smem -> gmem) ----
         lse = cute.make_rmem_tensor(cute.size(softmax.row_max), cutlass.Float32)
@@ -923,8 +1046,10 @@ class FlashFwdSm90:
             seqlen_q, tidx, spec.bias is None,
         )  # fmt: skip
 
-        sO = sQ  # the same swizzled tile
-        # Both consumers' wgmmas that read sQ have completed.
+        if cutlass.const_expr(q_state is not None):
+            if tidx < 32:  # the previous item's TMA store has read sO
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # Both consumers' wgmmas that read sQ (sO without q_state) have completed; sO is free.
         cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
         r2s = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
         tiles.acc_to_smem(acc_O, self.dtype, r2s, tiled_mma_pv, tidx, sO)
@@ -938,7 +1063,15 @@ class FlashFwdSm90:
             )  # fmt: skip
             cute.copy(tma_o, tOsO, tOgO)  # rows past Sq and columns past D are not stored
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO is read before the CTA exits
+            if cutlass.const_expr(q_state is None):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # read before the CTA exits
+        return state
+
+    @cute.jit
+    def release_q(self, pipe_q, q_state):
+        """A persistent CTA's consumers free sQ for the next item's Q (q_state; else none)."""
+        if cutlass.const_expr(q_state is not None):
+            pipe_q.consumer_release(q_state)
 
     @cute.jit
     def start_scores(self, scores, acc_S, views, pipe_tiles, pipe_bias, state):
