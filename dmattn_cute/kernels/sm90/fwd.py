@@ -1034,6 +1034,7 @@ class FlashFwdSm90:
             pipe_v.consumer_wait(state)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], True, 0)
             pipe_v.consumer_release(state)
+            state.advance()  # past the last block read, as the producer's state is
         else:
             self.release_q(pipe_q, q_state)
 
