@@ -6,7 +6,10 @@ the CTAs run in sections of query heads whose K and V fit in half of L2, and wit
 the query block varies slowest (longest first), so the last wave runs every head's short rows
 instead of one head's long ones while the rest of the GPU idles. With a block mask the launch
 gives the order (spec.ordered): the same sections, each sorted by visible key blocks, most
-first, since a random block mask leaves some rows twice the average. Three warpgroups:
+first, since a random block mask leaves some rows twice the average; a block mask alone
+runs persistent CTAs instead (Sm90FwdSpec.persistent: one per SM, each walking its share of
+that order, the next item's Q and first key blocks loading under the end of the current
+one). Three warpgroups:
 
 - the producer (warps 0-3, few registers): warp 0 loads Q once (before the block bits are
   read, so that the two loads overlap) and K, V per visible key block by TMA into `stages`
@@ -37,7 +40,9 @@ Shared memory and the order that protects it:
   initialized before the CTA-wide barrier that precedes every other use.
 - sQ: written by TMA once (Q pipeline), read by every Q K^T wgmma; after the consumers'
   epilogue barrier (each consumer passes it after its last wgmma has completed) it holds O for
-  the TMA store.
+  the TMA store. A persistent CTA refills it per item: the consumers release Q's stage after
+  their item's last Q K^T has completed, and O goes through its own buffer sO, which the
+  consumers write after the storing warp has waited for the previous TMA store's reads.
 - sK, sV, mask, bias stages: filled by the producer after the stage's empty barrier, read by
   the consumers after its full barrier, released (empty barrier) once the wgmma reading K or
   V has completed and, for mask/bias, once the scores have read them. cp.async mask/bias
