@@ -900,7 +900,9 @@ class FlashFwdSm90:
         itself (32 of them per thread per block); then the TMA stage is free."""
         tn = self.tile_n
         log2_units = not self.spec.has_softcap
-        pipe_bias.consumer_wait(state)
+        # the TMA stage read as a consumer: the producer's state, in the consumers' phase
+        landed = pipeline.PipelineState(state.stages, state.count, state.index, state.phase ^ 1)
+        pipe_bias.consumer_wait(landed)
         pipe_row.producer_acquire(state)
         lane = cute.arch.lane_idx()
         for i in cutlass.range_constexpr(-(-tn // 32)):
