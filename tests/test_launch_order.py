@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from dmattn_cute.kernels.block_mask_launch import block_bits
-from dmattn_cute.kernels.launch_order import forward_order, per_cta, sorted_items, walk_order
+from dmattn_cute.kernels.fwd_launch import flash_fwd
+from dmattn_cute.kernels.launch_order import (
+    forward_order,
+    grid_items,
+    per_cta,
+    sorted_items,
+    walk_order,
+)
 from dmattn_cute.problem import Problem, make_problem
 from dmattn_cute.reference import visible_mask
 from tests.test_block_mask import element_mask, random_block_mask
@@ -175,3 +182,36 @@ def test_backward_launch_passes_the_block_masks_order(launches, causal, determin
     launch_block_mask(64, None, None, True, causal, deterministic)
     spec, args = launches["calls"][-1]
     assert spec.ordered == causal and (args[15] is None) == (not causal)
+
+
+def test_grid_items_are_the_grid_order_dealt_to_the_ctas() -> None:
+    """A persistent forward without a block mask: (query tile, head, batch entry, 0) with
+    the last query tile first, then the heads, then the batch entries, dealt by per_cta;
+    memoized."""
+    items = grid_items(3, 2, 2, 5, torch.device("cpu"))
+    grid = [(2 - t % 3, t // 3 % 2, t // 6, 0) for t in range(12)]
+    assert torch.equal(items, per_cta(torch.tensor(grid, dtype=torch.int32), 5))
+    assert grid_items(3, 2, 2, 5, torch.device("cpu")) is items
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "causal", "persistent"),
+    [(128, False, True), (128, True, False), (64, False, False)],
+)
+def test_forward_launch_passes_grid_items_to_a_persistent_kernel(
+    launches, head_dim, causal, persistent
+) -> None:
+    """Without a mask, no causal/window limits and two consumers (D128; D64 runs three), the
+    Hopper forward is persistent: the launch passes the grid's items per CTA (132 planning
+    SMs); else none (one CTA per item, grid order)."""
+    q, k, v, _, _ = random_inputs(2, 300, 520, 4, 2, head_dim, torch.bfloat16, "cpu")
+    problem, _, _ = make_problem(q, k, v, None, None, None, causal, 0.0, (-1, -1), False)
+    flash_fwd(problem, q, k, v, None, None)
+    ((spec, args),) = launches["calls"]
+    assert spec.persistent == persistent
+    if persistent:
+        m_tiles = -(-300 // spec.tile.tile_m)
+        assert args[9] is grid_items(m_tiles, 4, 2, 132, q.device)
+        assert args[9].shape == (2 * 4 * m_tiles, 1, 4)
+    else:
+        assert args[9] is None

@@ -36,7 +36,7 @@ from .launch import (
     qkv_view,
     sm_count,
 )
-from .launch_order import forward_items
+from .launch_order import forward_items, grid_items
 from .sm90.fwd import Sm90FwdSpec
 from .spec import OperandSpec
 
@@ -382,7 +382,12 @@ def flash_fwd(
             )  # fmt: skip
         plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, block_table, *plan.scalars)
     elif isinstance(plan.spec, Sm90FwdSpec):
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, None, block_table, *plan.scalars)
+        items = None
+        if plan.spec.persistent:
+            m_tiles = -(-problem.seqlen_q // plan.spec.tile.tile_m)
+            ctas = sm_count(q.device, arch)
+            items = grid_items(m_tiles, problem.num_heads, out.shape[0], ctas, q.device)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, items, block_table, *plan.scalars)
     else:
         plan.kernel(q, k, v, out, lse, stats, mask, bias, *plan.scalars)
     return out, lse, stats

@@ -110,6 +110,29 @@ def forward_items(
     return remember_for(_MASK_ORDERS, block_mask, key, make)
 
 
+# Persistent forwards' items in grid order, by (query tiles, heads, batch entries, CTAs,
+# device).
+_GRID_ITEMS: dict[tuple, torch.Tensor] = {}
+
+
+def grid_items(
+    m_tiles: int, heads: int, entries: int, ctas: int, device: torch.device
+) -> torch.Tensor:
+    """int32 [CTAs, items per CTA, 4]: a persistent forward's items without a block mask,
+    (query tile, head, batch entry, 0) in the order of the grid a forward of one CTA per
+    item launches (the last query tile first, then the heads, then the batch entries: the
+    CTAs that run at once share K and V), dealt by per_cta. Memoized."""
+
+    def make() -> torch.Tensor:
+        t = torch.arange(m_tiles * heads * entries, device=device)
+        decoded = (m_tiles - 1 - t % m_tiles, t // m_tiles % heads, t // (m_tiles * heads))
+        items = torch.stack([*decoded, torch.zeros_like(t)], 1).to(torch.int32)
+        return per_cta(items, ctas)
+
+    key = (m_tiles, heads, entries, ctas, device)
+    return remember(_GRID_ITEMS, key, make, 64)
+
+
 def per_cta(items: torch.Tensor, ctas: int) -> torch.Tensor:
     """items [n, 4] (most work first) dealt to min(ctas, n) persistent CTAs as [CTAs, waves,
     4]: wave w takes the next CTAs-many items, every other wave dealt in reverse (CTA 0
