@@ -383,10 +383,15 @@ def flash_fwd(
         plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, block_table, *plan.scalars)
     elif isinstance(plan.spec, Sm90FwdSpec):
         items = None
-        if plan.spec.persistent:
-            m_tiles = -(-problem.seqlen_q // plan.spec.tile.tile_m)
-            ctas = sm_count(q.device, arch)
-            items = grid_items(m_tiles, problem.num_heads, out.shape[0], ctas, q.device)
+        spec = plan.spec
+        if spec.persistent:
+            pairs = out.shape[0] * problem.num_heads
+            group = problem.num_heads // problem.num_heads_kv
+            items = grid_items(
+                problem, spec.tile.tile_m, spec.tile.tile_n, out.shape[0],
+                spec.section_heads(problem.seqlen_k, group, pairs), sm_count(q.device, arch),
+                q.device,
+            )  # fmt: skip
         plan.kernel(q, k, v, out, lse, stats, mask, bias, None, items, block_table, *plan.scalars)
     else:
         plan.kernel(q, k, v, out, lse, stats, mask, bias, *plan.scalars)

@@ -110,26 +110,34 @@ def forward_items(
     return remember_for(_MASK_ORDERS, block_mask, key, make)
 
 
-# Persistent forwards' items in grid order, by (query tiles, heads, batch entries, CTAs,
-# device).
+# Persistent forwards' items without a block mask, by problem, tiles, batch entries, sections,
+# CTAs and device.
 _GRID_ITEMS: dict[tuple, torch.Tensor] = {}
 
 
 def grid_items(
-    m_tiles: int, heads: int, entries: int, ctas: int, device: torch.device
+    problem: Problem,
+    tile_m: int,
+    tile_n: int,
+    entries: int,
+    section_heads: int,
+    ctas: int,
+    device: torch.device,
 ) -> torch.Tensor:
     """int32 [CTAs, items per CTA, 4]: a persistent forward's items without a block mask,
-    (query tile, head, batch entry, 0) in the order of the grid a forward of one CTA per
-    item launches (the last query tile first, then the heads, then the batch entries: the
-    CTAs that run at once share K and V), dealt by per_cta. Memoized."""
+    (query tile, head, batch entry, 0) for `entries` batch entries (key chunks included), in
+    sections of `section_heads` (entry, head) pairs, each by the key tiles the causal/window
+    limits leave the query tile, most first (without limits, all alike: item order), dealt
+    by per_cta. Memoized."""
 
     def make() -> torch.Tensor:
-        t = torch.arange(m_tiles * heads * entries, device=device)
-        decoded = (m_tiles - 1 - t % m_tiles, t // m_tiles % heads, t // (m_tiles * heads))
-        items = torch.stack([*decoded, torch.zeros_like(t)], 1).to(torch.int32)
-        return per_cta(items, ctas)
+        m_tiles, heads = -(-problem.seqlen_q // tile_m), problem.num_heads
+        work = walked_tiles(problem, tile_m, tile_n, device).sum(1)  # [query tiles]
+        items = sorted_items(work.expand(entries * heads, m_tiles), section_heads).long()
+        decoded = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads))
+        return per_cta(torch.stack([*decoded, torch.zeros_like(items)], 1).to(torch.int32), ctas)
 
-    key = (m_tiles, heads, entries, ctas, device)
+    key = (problem, tile_m, tile_n, entries, section_heads, ctas, device)
     return remember(_GRID_ITEMS, key, make, 64)
 
 

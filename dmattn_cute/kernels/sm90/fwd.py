@@ -178,22 +178,22 @@ class Sm90FwdSpec:
         eb = dtype_bytes(self.dtype)
         buffers = sm90_fwd_smem_buffers(self.tile, self.head_dim_padded, eb, *smem)
         out = SmemBuffer("o", self.tile.tile_m * self.head_dim_padded * eb, 1024)
-        # every item the same work (no mask, no causal/window limits) or sorted by it (a
-        # block mask alone's order), dealt to the CTAs in waves (launch_order.per_cta)
-        even = self.blocks_full or (self.mask is None and not self.has_window)
-        persistent = even and not self.paged and self.tile.consumer_warpgroups == 2
+        # items of known work (the limits' key blocks, or a block mask alone's), sorted by it
+        # on the host and dealt to the CTAs in waves (launch_order.per_cta)
+        known = self.blocks_full or self.mask is None
+        persistent = known and not self.paged and self.tile.consumer_warpgroups == 2
         if persistent and smem_total((*buffers, out)) <= smem_capacity("sm_90a"):
             buffers += (out,)
         return buffers
 
     @functools.cached_property
     def persistent(self) -> bool:
-        """Items of even or sorted work (no mask and no causal/window limits, or a block
-        mask alone), two consumers, and room for O beside Q: one CTA per SM takes a list of
-        items (launch_order.per_cta's layout: grid_items, or forward_items' order), and its
-        next item's Q and first key blocks load under the end of the current one, whose O
-        goes through a buffer of its own. No mask stage is ever filled (blocks_full), so
-        none carries over from one item to the next."""
+        """Items whose work the host knows (no mask, or a block mask alone), two consumers,
+        and room for O beside Q: one CTA per SM takes a list of items, sorted by work and
+        dealt in waves (launch_order.grid_items, forward_items), and its next item's Q and
+        first key blocks load under the end of the current one, whose O goes through a
+        buffer of its own. No mask stage is ever filled (no mask, or blocks_full), so none
+        carries over from one item to the next."""
         return any(buffer.name == "o" for buffer in self.smem_buffers())
 
     def smem_bytes(self) -> int:
