@@ -178,18 +178,22 @@ class Sm90FwdSpec:
         eb = dtype_bytes(self.dtype)
         buffers = sm90_fwd_smem_buffers(self.tile, self.head_dim_padded, eb, *smem)
         out = SmemBuffer("o", self.tile.tile_m * self.head_dim_padded * eb, 1024)
-        persistent = self.blocks_full and not self.paged and self.tile.consumer_warpgroups == 2
+        # items of known work (the limits' key blocks, or a block mask alone's), sorted by it
+        # on the host and dealt to the CTAs in waves (launch_order.per_cta)
+        known = self.blocks_full or self.mask is None
+        persistent = known and not self.paged and self.tile.consumer_warpgroups == 2
         if persistent and smem_total((*buffers, out)) <= smem_capacity("sm_90a"):
             buffers += (out,)
         return buffers
 
     @functools.cached_property
     def persistent(self) -> bool:
-        """A block mask alone, two consumers, and room for O beside Q: one CTA per SM takes
-        a list of items (launch_order.forward_items' per-CTA layout), and its next item's Q
-        and first key blocks load under the end of the current one, whose O goes through a
-        buffer of its own. No mask stage is ever filled (blocks_full), so none carries over
-        from one item to the next."""
+        """Items whose work the host knows (no mask, or a block mask alone), two consumers,
+        and room for O beside Q: one CTA per SM takes a list of items, sorted by work and
+        dealt in waves (launch_order.grid_items, forward_items), and its next item's Q and
+        first key blocks load under the end of the current one, whose O goes through a
+        buffer of its own. No mask stage is ever filled (no mask, or blocks_full), so none
+        carries over from one item to the next."""
         return any(buffer.name == "o" for buffer in self.smem_buffers())
 
     def smem_bytes(self) -> int:
@@ -564,26 +568,16 @@ class FlashFwdSm90:
             sO = tiles.swizzled_smem_tensor(smem["o"], self.dtype, sQ_layout)
             if warp < 4:
                 self.produce_items(
-                    produced, limits, mask_head_div, mOrder, mBits, tma_q, tQ, sQ, pipe_q
-                )
+                    produced, limits, mask_head_div, key_chunks, mOrder, mBits, tma_q, tQ, sQ,
+                    pipe_q,
+                )  # fmt: skip
             else:
-                self.consume_items(consumed, limits, mask_head_div, mOrder, mBits, sO)
+                self.consume_items(consumed, limits, mask_head_div, key_chunks, mOrder, mBits, sO)
         else:
             m_block, h, b, shown = self.position(mOrder, seqlen_q, seqlen_k, group)
-            n_block_min, n_block_max = limits.key_block_range(m_block)
-            # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key
-            # blocks of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's
-            # key_chunks; never with a block mask, whose launch alone is ordered)
-            b_op = b
-            if cutlass.const_expr(not spec.ordered):
-                b_op = b // key_chunks
-            bits = None
-            if cutlass.const_expr(spec.mask is not None):
-                bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
-            if cutlass.const_expr(not spec.ordered):
-                n_block_min, n_block_max = masking.chunk_block_range(
-                    bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
-                )
+            b_op, bits, n_block_min, n_block_max = self.item_tile(
+                m_block, h, b, limits, mBits, mask_head_div, key_chunks
+            )
             if warp == 0:
                 # Q before the walk reads the block bits (all_full, then the producer's
                 # window): its load runs under those reads (H200: 2-5% off block-mask forwards)
@@ -620,7 +614,30 @@ class FlashFwdSm90:
         return item[0], item[1], item[2], item[3]
 
     @cute.jit
-    def produce_items(self, produced, limits, mask_head_div, mOrder, mBits, tma_q, tQ, sQ, pipe_q):
+    def item_tile(self, m_block, h, b, limits, mBits, mask_head_div, key_chunks):
+        """(b_op, bits, n_block_min, n_block_max) of the item (m_block, h, b): the row of Q,
+        K, V, the mask and the bias, the item's block bits (a mask's) and its key blocks.
+        Split-KV decode: batch entry b (of O and the row stats) is a chunk of the key blocks
+        of row b_op (fwd_launch.flash_fwd's key_chunks; never with a block mask, whose launch
+        alone is ordered)."""
+        spec = self.spec
+        n_block_min, n_block_max = limits.key_block_range(m_block)
+        b_op = b
+        if cutlass.const_expr(not spec.ordered):
+            b_op = b // key_chunks
+        bits = None
+        if cutlass.const_expr(spec.mask is not None):
+            bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
+        if cutlass.const_expr(not spec.ordered):
+            n_block_min, n_block_max = masking.chunk_block_range(
+                bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
+            )
+        return b_op, bits, n_block_min, n_block_max
+
+    @cute.jit
+    def produce_items(
+        self, produced, limits, mask_head_div, key_chunks, mOrder, mBits, tma_q, tQ, sQ, pipe_q
+    ):  # fmt: skip
         """The producer of a persistent CTA (spec.persistent): Q, then the walk's bias, K and
         V, of each of its items in turn; the stages' states carry over from one item to the
         next, so the next item's Q and first blocks load while the consumers finish this
@@ -633,13 +650,16 @@ class FlashFwdSm90:
         m_block, h, b, shown = self.item_at(mOrder, j)
         while m_block >= 0:
             next_item = self.item_at(mOrder, j + 1)
-            n_block_min, n_block_max = limits.key_block_range(m_block)
-            bits = mBits[b, h // mask_head_div, m_block, None]
+            b_op, bits, n_block_min, n_block_max = self.item_tile(
+                m_block, h, b, limits, mBits, mask_head_div, key_chunks
+            )
             if warp == 0:
-                self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b, q_state)
+                self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b_op, q_state)
             q_state.advance()
-            tile = (m_block, n_block_min, n_block_max, h, b, bits)
-            if shown != 0:
+            tile = (m_block, n_block_min, n_block_max, h, b_op, bits)
+            if cutlass.const_expr(self.spec.mask is None):
+                state = self.produce(produced, tile, state)
+            elif shown != 0:  # (a block mask alone: every key block of the item visible)
                 state = self.produce(produced, tile, state, dense=True)
             else:
                 state = self.produce(produced, tile, state)
@@ -647,7 +667,7 @@ class FlashFwdSm90:
             j += 1
 
     @cute.jit
-    def consume_items(self, consumed, limits, mask_head_div, mOrder, mBits, sO):
+    def consume_items(self, consumed, limits, mask_head_div, key_chunks, mOrder, mBits, sO):
         """The consumers of a persistent CTA (spec.persistent): each of its items in turn,
         the stages' states carried over; O goes through its own buffer sO (not over sQ, which
         the next item's Q refills meanwhile), each TMA store's reads of it waited for before
@@ -660,10 +680,13 @@ class FlashFwdSm90:
         m_block, h, b, shown = self.item_at(mOrder, j)
         while m_block >= 0:
             next_item = self.item_at(mOrder, j + 1)
-            n_block_min, n_block_max = limits.key_block_range(m_block)
-            bits = mBits[b, h // mask_head_div, m_block, None]
+            _, bits, n_block_min, n_block_max = self.item_tile(
+                m_block, h, b, limits, mBits, mask_head_div, key_chunks
+            )
             tile = (m_block, n_block_min, n_block_max, h, b, bits)
-            if shown != 0:
+            if cutlass.const_expr(self.spec.mask is None):
+                state = self.consume(consumed, tile, state, q_state, sO)
+            elif shown != 0:
                 state = self.consume(consumed, tile, state, q_state, sO, dense=True)
             else:
                 state = self.consume(consumed, tile, state, q_state, sO)
