@@ -70,13 +70,17 @@ def forward_order(
     limits leave it, most first. Memoized per block mask, as its bits are."""
 
     def make() -> torch.Tensor:
-        counts = walked_tiles(problem, tile_m, tile_n, bits.device, bits).sum(3)
-        batch, heads = problem.batch, problem.num_heads
-        counts = _per_head(counts, heads).expand(batch, heads, -1)
-        return sorted_items(counts.reshape(batch * heads, -1), section_heads)
+        return sorted_items(_visible_counts(bits, problem, tile_m, tile_n), section_heads)
 
     key = ("fwd", problem, tile_m, tile_n, section_heads)
     return remember_for(_MASK_ORDERS, block_mask, key, make)
+
+
+def _visible_counts(bits: torch.Tensor, problem: Problem, tile_m: int, tile_n: int):
+    """[B * H, query tiles]: the key tiles the bits and the limits leave each forward item."""
+    counts = walked_tiles(problem, tile_m, tile_n, bits.device, bits).sum(3)
+    batch, heads = problem.batch, problem.num_heads
+    return _per_head(counts, heads).expand(batch, heads, -1).reshape(batch * heads, -1)
 
 
 def forward_items(
@@ -97,11 +101,12 @@ def forward_items(
     is."""
 
     def make() -> torch.Tensor:
-        items = forward_order(block_mask, bits, problem, tile_m, tile_n, section_heads).long()
+        # the order as forward_order makes it, from the same counts (one memo entry per mask)
+        counts = _visible_counts(bits, problem, tile_m, tile_n)
+        items = sorted_items(counts, section_heads).long()
         m_tiles, heads = -(-problem.seqlen_q // tile_m), problem.num_heads
-        walked = walked_tiles(problem, tile_m, tile_n, bits.device)  # [Mq, Mk]
-        shown = walked_tiles(problem, tile_m, tile_n, bits.device, bits).sum(3) == walked.sum(1)
-        shown = _per_head(shown, heads).expand(problem.batch, heads, m_tiles).flatten()
+        walked = walked_tiles(problem, tile_m, tile_n, bits.device).sum(1)  # per query tile
+        shown = (counts == walked).flatten()
         decoded = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads))
         decoded = torch.stack([*decoded, shown[items].long()], 1).to(torch.int32)
         return per_cta(decoded, ctas) if ctas else decoded

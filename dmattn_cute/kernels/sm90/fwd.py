@@ -295,8 +295,8 @@ class FlashFwdSm90:
         mMask: cute.Tensor | None,  # [Bm, Hm, Qm, Km] uint8 view of the bool mask
         mBias: cute.Tensor | None,  # [Bm, Hm, Qm, Km]
         mBits: cute.Tensor | None,  # [Bm, Hm, query blocks (1 if Qm = 1), key blocks] uint8
-        # [B * H * query blocks, 4] int32 (spec.ordered): (query block, head, batch, 0) per
-        # launch position
+        # int32 (spec.ordered) (query block, head, batch, all visible) per launch position:
+        # [B * H * query blocks, 4], or per CTA [CTAs, items per CTA, 4] (spec.persistent)
         mOrder: cute.Tensor | None,
         mPages: cute.Tensor | None,  # [B, pages per row] int32 (spec.paged)
         scale_log2: cutlass.Float32,
