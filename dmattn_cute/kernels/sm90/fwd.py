@@ -1130,7 +1130,10 @@ class FlashFwdSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         # Both consumers' wgmmas that read sQ (sO without q_state) have completed; sO is free.
         cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
-        r2s = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        # stmatrix: 8 stores of four 8 x 8 matrices per thread (64 values), not 32 STS
+        r2s = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
         tiles.acc_to_smem(acc_O, self.dtype, r2s, tiled_mma_pv, tidx, sO)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes, read by the TMA store
         cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
