@@ -199,8 +199,8 @@ def test_fwd_flag_combinations_compile(target, mask, bias, has_window, has_softc
     if target == "sm_90a":
         check_wgmma_not_serialized(capfd)
         # causal/window limits: the Hopper forward maps its launch position longest first,
-        # through the grid's extents
-        assert ("%nctaid.y" in ptx) == has_window
+        # through the grid's extents, unless it is persistent (the launch sorts its items)
+        assert ("%nctaid.y" in ptx) == (has_window and not spec.persistent)
 
 
 @pytest.mark.parametrize("target", SUPPORTED_ARCHS)
@@ -235,12 +235,15 @@ def test_hopper_bias_by_tma_compiles(head_dim: int) -> None:
 def test_hopper_key_bias_row_by_tma_compiles() -> None:
     """A query-broadcast ([B, Hkv, 1, Sk]) 16-bit bias with aligned rows comes by TMA too: a box
     of one block's keys from the (Sk, heads, batch) view, on its own pipeline, with no
-    cp.async tiles left when there is no mask; its smem stages are one row each."""
+    cp.async tiles left when there is no mask; its smem stages are one row each, and one fp32
+    row each that a producer warp converts them into (convert_row)."""
     bias = OperandSpec("bf16", ("d", "d", "0", "1"), 8)
     spec = fwd_spec_for("sm_90a", 128, "bf16", None, bias, False, False)
     assert spec.bias.tma_tiles
     (buffer,) = [b for b in spec.smem_buffers() if b.name == "bias"]
     assert buffer.bytes == spec.tile.stages * -(-spec.tile.tile_n // 64) * 64 * 2
+    (row,) = [b for b in spec.smem_buffers() if b.name == "bias_f32"]
+    assert row.bytes == spec.tile.stages * spec.tile.tile_n * 4
     ptx = fwd_ptx("sm_90a", spec)
     check_fwd_ptx("sm_90a", ptx)
     assert set(re.findall(r"cp\.async\.bulk\.tensor\.\dd", ptx)) == {

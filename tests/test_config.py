@@ -93,6 +93,23 @@ def test_hopper_forward_tiles() -> None:
         assert (short.tile_n, short.tile_m) == (64, 64 if head_dim <= 128 else 128)
 
 
+def test_hopper_bias_row_fp32_copy_only_where_it_fits() -> None:
+    """A TMA bias row gets fp32 stages (a producer warp converts it: row_f32) unless they
+    would narrow the key block: D256 with a key mask keeps its 80 keys without them."""
+    tile = config.sm90_fwd_tile
+    row = SmemOperand(2, True, tma=True)
+    for head_dim in (64, 128, 256):
+        assert tile("sm_90a", head_dim, 2, None, row).row_f32
+    assert not tile("sm_90a", 128, 2, None, SmemOperand(2, False, tma=True)).row_f32
+    assert not tile("sm_90a", 128, 2, None, None).row_f32
+    key_mask = SmemOperand(1, True)
+    narrow = tile("sm_90a", 256, 2, key_mask, row)
+    assert (narrow.tile_n, narrow.row_f32) == (80, False)
+    buffers = config.sm90_fwd_smem_buffers(tile("sm_90a", 128, 2, None, row), 128, 2, None, row)
+    (copy,) = [b for b in buffers if b.name == "bias_f32"]
+    assert copy.bytes == 2 * 128 * 4
+
+
 def test_hopper_tile_search_fails_at_spec_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config, "smem_capacity", lambda arch: 64 * 1024)
     with pytest.raises(ValueError, match="shared memory"):

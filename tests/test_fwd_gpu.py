@@ -257,3 +257,27 @@ def test_public_api_on_cuda():
     lowp, lowp_lse = attention_ref(q, k, v, mask, bias, is_causal=True, compute_dtype=None)
     check_close("out", out, ref, lowp, q.dtype)
     check_close("lse", lse, ref_lse, lowp_lse.float(), q.dtype)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "bias_shape", "limits"),
+    [
+        (128, torch.bfloat16, None, {}),
+        (128, torch.float16, (2, 2, 1, 777), {"causal": True}),
+        (96, torch.bfloat16, (1, 1, 1, 777), {"window": (200, 50)}),
+        (64, torch.bfloat16, (2, 4, 1000, 777), {}),  # a full bias: its tiles by TMA
+    ],
+)
+def test_persistent_ctas_take_many_items(ctas, head_dim, dtype, bias_shape, limits, monkeypatch):
+    """The Hopper forward without a mask is persistent: with the launch told there are
+    `ctas` SMs, every CTA walks many items in turn, longest first under causal / window
+    limits (Sq != Sk, key tails, GQA, a key bias per kv head or broadcast, a full bias, rows
+    with no key under the window); outputs poisoned."""
+    from dmattn_cute.kernels import fwd_launch
+
+    monkeypatch.setattr(fwd_launch, "sm_count", lambda device, arch: ctas)
+    q, k, v, _, bias = random_inputs(
+        2, 1000, 777, 4, 2, head_dim, dtype, "cuda", bias_shape=bias_shape
+    )
+    forward_and_check(q, k, v, None, bias, **limits)

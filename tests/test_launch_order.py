@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from dmattn_cute.kernels.block_mask_launch import block_bits
-from dmattn_cute.kernels.launch_order import forward_order, per_cta, sorted_items, walk_order
+from dmattn_cute.kernels.fwd_launch import flash_fwd
+from dmattn_cute.kernels.launch_order import (
+    forward_order,
+    grid_items,
+    per_cta,
+    sorted_items,
+    walk_order,
+)
 from dmattn_cute.problem import Problem, make_problem
 from dmattn_cute.reference import visible_mask
 from tests.test_block_mask import element_mask, random_block_mask
@@ -175,3 +182,51 @@ def test_backward_launch_passes_the_block_masks_order(launches, causal, determin
     launch_block_mask(64, None, None, True, causal, deterministic)
     spec, args = launches["calls"][-1]
     assert spec.ordered == causal and (args[15] is None) == (not causal)
+
+
+@pytest.mark.parametrize(
+    ("causal", "window"), [(False, (-1, -1)), (True, (-1, -1)), (False, (300, 100))]
+)
+@pytest.mark.parametrize("section", [1, 3, 100])
+def test_grid_items_sort_query_tiles_by_walked_key_tiles(causal, window, section) -> None:
+    """A persistent forward without a block mask: every (query tile, head, batch entry)
+    once, sorted by the key tiles its limits leave it, most first, in sections (per_cta's
+    deal undone); memoized."""
+    problem = problem_of(1000, 1100, 4, 2, causal, window)
+    tile_m, tile_n, ctas = 64, 128, 7
+    dealt = grid_items(problem, tile_m, tile_n, 2, section, ctas, torch.device("cpu"))
+    assert grid_items(problem, tile_m, tile_n, 2, section, ctas, torch.device("cpu")) is dealt
+    waves = dealt.transpose(0, 1).clone()
+    waves[1::2] = waves[1::2].flip(1)
+    items = waves.flatten(0, 1)
+    items = items[items[:, 0] >= 0]
+    m_tiles = -(-1000 // tile_m)
+    assert not items[:, 3].any()
+    order = (items[:, 2] * 4 + items[:, 1]) * m_tiles + items[:, 0]
+    counts = tile_counts(torch.ones(1, 1, 1, 9, dtype=torch.bool), problem, tile_m, tile_n)
+    check_sorted(order.to(torch.int32), counts.sum(3).flatten(0, 1), min(section, 8))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "causal", "persistent"),
+    [(128, False, True), (128, True, True), (64, False, False)],
+)
+def test_forward_launch_passes_grid_items_to_a_persistent_kernel(
+    launches, head_dim, causal, persistent
+) -> None:
+    """Without a mask and with two consumers (D128; D64 runs three) the Hopper forward is
+    persistent: the launch passes grid_items (132 planning SMs); else none (one CTA per
+    item, in the kernel's own order)."""
+    q, k, v, _, _ = random_inputs(2, 300, 520, 4, 2, head_dim, torch.bfloat16, "cpu")
+    problem, _, _ = make_problem(q, k, v, None, None, None, causal, 0.0, (-1, -1), False)
+    flash_fwd(problem, q, k, v, None, None)
+    ((spec, args),) = launches["calls"]
+    assert spec.persistent == persistent
+    if persistent:
+        tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
+        m_tiles = -(-300 // tile_m)
+        sections = spec.section_heads(520, 2, 8)
+        assert args[9] is grid_items(problem, tile_m, tile_n, 2, sections, 132, q.device)
+        assert args[9].shape == (2 * 4 * m_tiles, 1, 4)
+    else:
+        assert args[9] is None

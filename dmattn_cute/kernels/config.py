@@ -221,6 +221,9 @@ class Sm90FwdTile:
     tile_m: int
     tile_n: int
     stages: int
+    # A bias row by TMA is converted to fp32 (in log2 units) once per block by a producer warp
+    # into stages of its own, where they fit without a narrower tile_n (sm90_fwd_tile).
+    row_f32: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -239,11 +242,12 @@ def sm90_fwd_smem_buffers(
     bias: SmemOperand | None,
 ) -> tuple[SmemBuffer, ...]:
     """The shared memory of one Hopper forward CTA in allocation order: the pipelines'
-    mbarriers (full + empty per stage: Q, K, V, cp.async mask/bias, TMA bias), Q (reused for
-    O), K and V stages (1024-byte aligned for the 128-byte swizzle of TMA and wgmma), mask and
-    bias stages."""
+    mbarriers (full + empty per stage: Q, K, V, cp.async mask/bias, TMA bias, and with
+    tile.row_f32 the bias row's fp32 copy), Q (reused for O), K and V stages (1024-byte aligned
+    for the 128-byte swizzle of TMA and wgmma), mask and bias stages (`bias_f32`: the fp32
+    copy of a bias row)."""
     kv_bytes = tile.stages * tile.tile_n * head_dim_padded * elem_bytes
-    barriers = 2 * (1 + 4 * tile.stages)
+    barriers = 2 * (1 + 4 * tile.stages) + (2 * tile.stages if tile.row_f32 else 0)
     buffers = [
         SmemBuffer("mbar", 8 * barriers, 8),
         SmemBuffer("q", tile.tile_m * head_dim_padded * elem_bytes, 1024),
@@ -254,6 +258,8 @@ def sm90_fwd_smem_buffers(
         if operand is not None and operand.tma and operand.row_broadcast:
             size = tile.stages * bias_row_pitch(tile.tile_n) * operand.elem_bytes
             buffers.append(SmemBuffer(name, size, 1024))
+            if tile.row_f32:
+                buffers.append(SmemBuffer(f"{name}_f32", tile.stages * tile.tile_n * 4, 16))
         elif operand is not None and operand.tma:
             size = tile.stages * tile.tile_m * tile.tile_n * operand.elem_bytes
             buffers.append(SmemBuffer(name, size, 1024))
@@ -300,11 +306,17 @@ def sm90_fwd_tile(
         # one consumer warpgroup: two CTAs share an SM (sm90/fwd.py); wider heads need more
         # than the 128 registers a thread that leaves at launch
         tile_m = SHORT_QUERY_ROWS
+
+    def fits(tile: Sm90FwdTile) -> bool:
+        buffers = sm90_fwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
+        return smem_total(buffers) <= smem_capacity(arch)
+
     while tile_n >= 32:
         tile = Sm90FwdTile(tile_m, tile_n, 2)
-        buffers = sm90_fwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
-        if smem_total(buffers) <= smem_capacity(arch):
-            return tile
+        if fits(tile):
+            converted = Sm90FwdTile(tile_m, tile_n, 2, row_f32=True)
+            row = bias is not None and bias.tma and bias.row_broadcast
+            return converted if row and fits(converted) else tile
         tile_n -= 16
     raise ValueError(
         f"Hopper forward tile: head_dim {head_dim_padded} with mask={mask} bias={bias} does "

@@ -36,7 +36,7 @@ from .launch import (
     qkv_view,
     sm_count,
 )
-from .launch_order import forward_items
+from .launch_order import forward_items, grid_items
 from .sm90.fwd import Sm90FwdSpec
 from .spec import OperandSpec
 
@@ -382,7 +382,17 @@ def flash_fwd(
             )  # fmt: skip
         plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, block_table, *plan.scalars)
     elif isinstance(plan.spec, Sm90FwdSpec):
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, None, block_table, *plan.scalars)
+        items = None
+        spec = plan.spec
+        if spec.persistent:
+            pairs = out.shape[0] * problem.num_heads
+            group = problem.num_heads // problem.num_heads_kv
+            items = grid_items(
+                problem, spec.tile.tile_m, spec.tile.tile_n, out.shape[0],
+                spec.section_heads(problem.seqlen_k, group, pairs), sm_count(q.device, arch),
+                q.device,
+            )  # fmt: skip
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, items, block_table, *plan.scalars)
     else:
         plan.kernel(q, k, v, out, lse, stats, mask, bias, *plan.scalars)
     return out, lse, stats

@@ -115,6 +115,37 @@ def forward_items(
     return remember_for(_MASK_ORDERS, block_mask, key, make)
 
 
+# Persistent forwards' items without a block mask, by problem, tiles, batch entries, sections,
+# CTAs and device.
+_GRID_ITEMS: dict[tuple, torch.Tensor] = {}
+
+
+def grid_items(
+    problem: Problem,
+    tile_m: int,
+    tile_n: int,
+    entries: int,
+    section_heads: int,
+    ctas: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """int32 [CTAs, items per CTA, 4]: a persistent forward's items without a block mask,
+    (query tile, head, batch entry, 0) for `entries` batch entries (key chunks included), in
+    sections of `section_heads` (entry, head) pairs, each by the key tiles the causal/window
+    limits leave the query tile, most first (without limits, all alike: item order), dealt
+    by per_cta. Memoized."""
+
+    def make() -> torch.Tensor:
+        m_tiles, heads = -(-problem.seqlen_q // tile_m), problem.num_heads
+        work = walked_tiles(problem, tile_m, tile_n, device).sum(1)  # [query tiles]
+        items = sorted_items(work.expand(entries * heads, m_tiles), section_heads).long()
+        decoded = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads))
+        return per_cta(torch.stack([*decoded, torch.zeros_like(items)], 1).to(torch.int32), ctas)
+
+    key = (problem, tile_m, tile_n, entries, section_heads, ctas, device)
+    return remember(_GRID_ITEMS, key, make, 64)
+
+
 def per_cta(items: torch.Tensor, ctas: int) -> torch.Tensor:
     """items [n, 4] (most work first) dealt to min(ctas, n) persistent CTAs as [CTAs, waves,
     4]: wave w takes the next CTAs-many items, every other wave dealt in reverse (CTA 0

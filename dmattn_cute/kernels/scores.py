@@ -52,6 +52,10 @@ class Scores:
     # bias / scale is: a finfo.min bias gives -FLT_MAX for every key of its row.
     log2_units: cutlass.Constexpr[bool] = False
     scale_log2: cutlass.Float32 | None = None
+    # With bias_rows_shared and bias_after_gemm: the bias row is fp32, already multiplied by
+    # log2(e) where log2_units (and rounded as above), by a producer warp (the Hopper
+    # forward's convert_row), so the columns are read as they are
+    bias_converted: cutlass.Constexpr[bool] = False
     # acc_s holds S^T (the Hopper backward's transposed scores): a query-broadcast bias is one
     # value per accumulator row (key), not per column
     transposed: cutlass.Constexpr[bool] = False
@@ -116,7 +120,9 @@ class Scores:
                         acc_mn[r, c] = acc_mn[r, c] + key
             else:
                 for c in cutlass.range(cute.size(acc_mn.shape[1]), unroll_full=True):
-                    column = mul_rz(cutlass.Float32(bias_mn[0, c]), factor)
+                    column = bias_mn[0, c]
+                    if cutlass.const_expr(not self.bias_converted):
+                        column = mul_rz(cutlass.Float32(column), factor)
                     for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
                         if cutlass.const_expr(self.log2_units):
                             acc_mn[r, c] = fma(acc_mn[r, c], self.scale_log2, column)

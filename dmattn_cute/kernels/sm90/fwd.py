@@ -78,8 +78,8 @@ from ..fwd import FwdScalars
 from ..masking import FULL, VISIBLE
 from ..scores import Scores
 from ..softmax import OnlineSoftmax
-from ..spec import DTYPES, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
-from ..utils import acc_as_a_operand, acc_mn_view, round_pairs
+from ..spec import DTYPES, LOG2E, OperandSpec, dtype_bytes, env_stream, fake_rows, fake_tensor
+from ..utils import acc_as_a_operand, acc_mn_view, mul_rz, round_pairs
 from .wgmma import smem_layout, wgmma
 
 # K and V bytes a section of longest-first CTAs may keep in L2 (half of an H100's 50 MB).
@@ -178,18 +178,22 @@ class Sm90FwdSpec:
         eb = dtype_bytes(self.dtype)
         buffers = sm90_fwd_smem_buffers(self.tile, self.head_dim_padded, eb, *smem)
         out = SmemBuffer("o", self.tile.tile_m * self.head_dim_padded * eb, 1024)
-        persistent = self.blocks_full and not self.paged and self.tile.consumer_warpgroups == 2
+        # items of known work (the limits' key blocks, or a block mask alone's), sorted by it
+        # on the host and dealt to the CTAs in waves (launch_order.per_cta)
+        known = self.blocks_full or self.mask is None
+        persistent = known and not self.paged and self.tile.consumer_warpgroups == 2
         if persistent and smem_total((*buffers, out)) <= smem_capacity("sm_90a"):
             buffers += (out,)
         return buffers
 
     @functools.cached_property
     def persistent(self) -> bool:
-        """A block mask alone, two consumers, and room for O beside Q: one CTA per SM takes
-        a list of items (launch_order.forward_items' per-CTA layout), and its next item's Q
-        and first key blocks load under the end of the current one, whose O goes through a
-        buffer of its own. No mask stage is ever filled (blocks_full), so none carries over
-        from one item to the next."""
+        """Items whose work the host knows (no mask, or a block mask alone), two consumers,
+        and room for O beside Q: one CTA per SM takes a list of items, sorted by work and
+        dealt in waves (launch_order.grid_items, forward_items), and its next item's Q and
+        first key blocks load under the end of the current one, whose O goes through a
+        buffer of its own. No mask stage is ever filled (no mask, or blocks_full), so none
+        carries over from one item to the next."""
         return any(buffer.name == "o" for buffer in self.smem_buffers())
 
     def smem_bytes(self) -> int:
@@ -247,6 +251,7 @@ class FlashFwdSm90:
         self.consumer_threads = self.num_threads - 128
         self.bias_tma = spec.bias is not None and spec.bias.tma_tiles
         self.bias_row = spec.bias is not None and spec.bias.row_broadcast
+        self.row_f32 = spec.tile.row_f32  # (a TMA bias row: convert_row)
         # tiles the producer copies with cp.async: the mask's, and a bias TMA cannot read
         self.bias_tiles = spec.bias is not None and not self.bias_tma
         self.has_tiles = spec.mask is not None or self.bias_tiles
@@ -496,12 +501,24 @@ class FlashFwdSm90:
                 ),
                 defer_sync=True,
             )  # fmt: skip
-        pipe_bias = None
+        pipe_bias = pipe_row = None
         if cutlass.const_expr(self.bias_tma):
+            # a bias row's TMA stage is read by the producer warp that converts it (pipe_row)
             pipe_bias = pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar + 2 + 6 * st, num_stages=st, producer_group=one_thread,
-                consumer_group=consumer_warps,
+                consumer_group=one_thread if self.row_f32 else consumer_warps,
                 tx_count=(1 if self.bias_row else tm) * tn * dtype_bytes(spec.bias.dtype),
+                defer_sync=True,
+            )  # fmt: skip
+        if cutlass.const_expr(self.row_f32):
+            # its fp32 copy: written by producer warp 1, released by every consumer thread
+            # after its own reads
+            pipe_row = pipeline.PipelineAsync.create(
+                barrier_storage=mbar + 2 + 8 * st, num_stages=st,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.consumer_threads
+                ),
                 defer_sync=True,
             )  # fmt: skip
         cute.arch.mbarrier_init_fence()
@@ -518,13 +535,17 @@ class FlashFwdSm90:
 
         # Mask and bias: smem stages, and the (tm, tn, stages) views the scores read.
         tile_smem = {}
-        sBias = None
+        sBias = sRow = None
         if cutlass.const_expr(self.bias_tma and self.bias_row):
             # stage s: tn keys at s * pitch (TMA writes 128-byte aligned boxes)
             row_layout = cute.make_layout((tn, st), stride=(1, bias_row_pitch(tn)))
             sBias = tiles.smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], row_layout)
         elif cutlass.const_expr(self.bias_tma):
             sBias = tiles.swizzled_smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], sBias_layout)
+        if cutlass.const_expr(self.row_f32):
+            sRow = tiles.smem_tensor(
+                smem["bias_f32"], cutlass.Float32, cute.make_layout((tn, st), stride=(1, tn))
+            )
         for name, op in (("mask", spec.mask), ("bias", spec.bias)):
             if cutlass.const_expr(op is not None and not (name == "bias" and self.bias_tma)):
                 dtype = DTYPES[op.dtype]
@@ -534,39 +555,29 @@ class FlashFwdSm90:
                 )
         produced = (
             tK, tV, sK, sV, mMask, mBias, tile_smem, tma_k, tma_v, pipe_k, pipe_v, pipe_tiles,
-            pipe_bias, limits, mask_head_div, bias_head_div, group, seqlen_k, tma_bias, tBias,
-            sBias, mPages,
+            pipe_bias, pipe_row, limits, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
+            tBias, sBias, sRow, mPages,
         )  # fmt: skip
         consumed = (
-            tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, tma_o, pipe_q, pipe_k, pipe_v,
-            pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, limits, scale_log2, bias_scale,
-            softcap_scale, softcap,
+            tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, sRow, tma_o, pipe_q, pipe_k, pipe_v,
+            pipe_tiles, pipe_bias, pipe_row, tiled_mma_qk, tiled_mma_pv, limits, scale_log2,
+            bias_scale, softcap_scale, softcap,
         )  # fmt: skip
 
         if cutlass.const_expr(spec.persistent):
             sO = tiles.swizzled_smem_tensor(smem["o"], self.dtype, sQ_layout)
             if warp < 4:
                 self.produce_items(
-                    produced, limits, mask_head_div, mOrder, mBits, tma_q, tQ, sQ, pipe_q
-                )
+                    produced, limits, mask_head_div, key_chunks, mOrder, mBits, tma_q, tQ, sQ,
+                    pipe_q,
+                )  # fmt: skip
             else:
-                self.consume_items(consumed, limits, mask_head_div, mOrder, mBits, sO)
+                self.consume_items(consumed, limits, mask_head_div, key_chunks, mOrder, mBits, sO)
         else:
             m_block, h, b, shown = self.position(mOrder, seqlen_q, seqlen_k, group)
-            n_block_min, n_block_max = limits.key_block_range(m_block)
-            # split-KV decode: batch entry b (of O and the row stats) is a chunk of the key
-            # blocks of row b_op of Q, K, V, the mask and the bias (fwd_launch.flash_fwd's
-            # key_chunks; never with a block mask, whose launch alone is ordered)
-            b_op = b
-            if cutlass.const_expr(not spec.ordered):
-                b_op = b // key_chunks
-            bits = None
-            if cutlass.const_expr(spec.mask is not None):
-                bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
-            if cutlass.const_expr(not spec.ordered):
-                n_block_min, n_block_max = masking.chunk_block_range(
-                    bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
-                )
+            b_op, bits, n_block_min, n_block_max = self.item_tile(
+                m_block, h, b, limits, mBits, mask_head_div, key_chunks
+            )
             if warp == 0:
                 # Q before the walk reads the block bits (all_full, then the producer's
                 # window): its load runs under those reads (H200: 2-5% off block-mask forwards)
@@ -603,7 +614,30 @@ class FlashFwdSm90:
         return item[0], item[1], item[2], item[3]
 
     @cute.jit
-    def produce_items(self, produced, limits, mask_head_div, mOrder, mBits, tma_q, tQ, sQ, pipe_q):
+    def item_tile(self, m_block, h, b, limits, mBits, mask_head_div, key_chunks):
+        """(b_op, bits, n_block_min, n_block_max) of the item (m_block, h, b): the row of Q,
+        K, V, the mask and the bias, the item's block bits (a mask's) and its key blocks.
+        Split-KV decode: batch entry b (of O and the row stats) is a chunk of the key blocks
+        of row b_op (fwd_launch.flash_fwd's key_chunks; never with a block mask, whose launch
+        alone is ordered)."""
+        spec = self.spec
+        n_block_min, n_block_max = limits.key_block_range(m_block)
+        b_op = b
+        if cutlass.const_expr(not spec.ordered):
+            b_op = b // key_chunks
+        bits = None
+        if cutlass.const_expr(spec.mask is not None):
+            bits = mBits[b_op, h // mask_head_div, m_block, None]  # stride 0 where broadcast
+        if cutlass.const_expr(not spec.ordered):
+            n_block_min, n_block_max = masking.chunk_block_range(
+                bits, n_block_min, n_block_max, b - b_op * key_chunks, key_chunks
+            )
+        return b_op, bits, n_block_min, n_block_max
+
+    @cute.jit
+    def produce_items(
+        self, produced, limits, mask_head_div, key_chunks, mOrder, mBits, tma_q, tQ, sQ, pipe_q
+    ):  # fmt: skip
         """The producer of a persistent CTA (spec.persistent): Q, then the walk's bias, K and
         V, of each of its items in turn; the stages' states carry over from one item to the
         next, so the next item's Q and first blocks load while the consumers finish this
@@ -616,13 +650,16 @@ class FlashFwdSm90:
         m_block, h, b, shown = self.item_at(mOrder, j)
         while m_block >= 0:
             next_item = self.item_at(mOrder, j + 1)
-            n_block_min, n_block_max = limits.key_block_range(m_block)
-            bits = mBits[b, h // mask_head_div, m_block, None]
+            b_op, bits, n_block_min, n_block_max = self.item_tile(
+                m_block, h, b, limits, mBits, mask_head_div, key_chunks
+            )
             if warp == 0:
-                self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b, q_state)
+                self.load_q(tma_q, tQ, sQ, pipe_q, m_block, h, b_op, q_state)
             q_state.advance()
-            tile = (m_block, n_block_min, n_block_max, h, b, bits)
-            if shown != 0:
+            tile = (m_block, n_block_min, n_block_max, h, b_op, bits)
+            if cutlass.const_expr(self.spec.mask is None):
+                state = self.produce(produced, tile, state)
+            elif shown != 0:  # (a block mask alone: every key block of the item visible)
                 state = self.produce(produced, tile, state, dense=True)
             else:
                 state = self.produce(produced, tile, state)
@@ -630,7 +667,7 @@ class FlashFwdSm90:
             j += 1
 
     @cute.jit
-    def consume_items(self, consumed, limits, mask_head_div, mOrder, mBits, sO):
+    def consume_items(self, consumed, limits, mask_head_div, key_chunks, mOrder, mBits, sO):
         """The consumers of a persistent CTA (spec.persistent): each of its items in turn,
         the stages' states carried over; O goes through its own buffer sO (not over sQ, which
         the next item's Q refills meanwhile), each TMA store's reads of it waited for before
@@ -643,10 +680,13 @@ class FlashFwdSm90:
         m_block, h, b, shown = self.item_at(mOrder, j)
         while m_block >= 0:
             next_item = self.item_at(mOrder, j + 1)
-            n_block_min, n_block_max = limits.key_block_range(m_block)
-            bits = mBits[b, h // mask_head_div, m_block, None]
+            _, bits, n_block_min, n_block_max = self.item_tile(
+                m_block, h, b, limits, mBits, mask_head_div, key_chunks
+            )
             tile = (m_block, n_block_min, n_block_max, h, b, bits)
-            if shown != 0:
+            if cutlass.const_expr(self.spec.mask is None):
+                state = self.consume(consumed, tile, state, q_state, sO)
+            elif shown != 0:
                 state = self.consume(consumed, tile, state, q_state, sO, dense=True)
             else:
                 state = self.consume(consumed, tile, state, q_state, sO)
@@ -769,8 +809,8 @@ class FlashFwdSm90:
         Returns the state after the walk."""
         (
             tK, tV, sK, sV, mMask, mBias, tile_smem, tma_k, tma_v, pipe_k, pipe_v, pipe_tiles,
-            pipe_bias, limits, mask_head_div, bias_head_div, group, seqlen_k, tma_bias, tBias,
-            sBias, mPages,
+            pipe_bias, pipe_row, limits, mask_head_div, bias_head_div, group, seqlen_k, tma_bias,
+            tBias, sBias, sRow, mPages,
         ) = produced  # fmt: skip
         m_block, n_block_min, n_block_max, h, b_op, bits = tile
         spec = self.spec
@@ -865,12 +905,39 @@ class FlashFwdSm90:
                     tma_v, v_blocks[None, block], v_stages[None, state.index],
                     tma_bar_ptr=pipe_v.producer_get_barrier(state),
                 )  # fmt: skip
+            if cutlass.const_expr(self.row_f32):
+                if warp == 1:  # after its share of the block's mask tile
+                    self.convert_row(pipe_bias, pipe_row, sBias, sRow, state)
             state.advance()
             n_block, top, visible, full_bits = self.prev_visible(
                 walk_bits, n_block - 1, n_block_min, top, visible, full_bits
             )
             page = self.page_of(mPages, b_op, n_block, n_block_min, page_blocks)
         return state
+
+    @cute.jit
+    def convert_row(self, pipe_bias, pipe_row, sBias, sRow, state):
+        """Producer warp 1: a bias row's stage, once its TMA has landed, as fp32 into sRow (in
+        log2 units, bias * log2(e) rounded toward zero as Scores rounds it, unless a softcap
+        follows: then as it is), so that no consumer thread converts and scales its columns
+        itself (32 of them per thread per block); then the TMA stage is free."""
+        tn = self.tile_n
+        log2_units = not self.spec.has_softcap
+        # the TMA stage read as a consumer: the producer's state, in the consumers' phase
+        landed = pipeline.PipelineState(state.stages, state.count, state.index, state.phase ^ 1)
+        pipe_bias.consumer_wait(landed)
+        pipe_row.producer_acquire(state)
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range_constexpr(-(-tn // 32)):
+            col = lane + 32 * i
+            if col < tn:
+                value = cutlass.Float32(sBias[col, state.index])
+                if cutlass.const_expr(log2_units):
+                    value = mul_rz(value, cutlass.Float32(LOG2E))
+                sRow[col, state.index] = value
+        pipe_row.producer_commit(state)  # every lane after its own writes
+        cute.arch.sync_warp()
+        pipe_bias.consumer_release(state)  # one arrive for the warp, after every lane's reads
 
     @cute.jit
     def load_q(self, tma_q, tQ, sQ, pipe_q, m_block, h, b_op, q_state):
@@ -916,9 +983,9 @@ class FlashFwdSm90:
         completed), else None (sQ filled once, and sO over it). Returns the state after the
         walk."""
         (
-            tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, tma_o, pipe_q, pipe_k, pipe_v,
-            pipe_tiles, pipe_bias, tiled_mma_qk, tiled_mma_pv, limits, scale_log2, bias_scale,
-            softcap_scale, softcap,
+            tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, sRow, tma_o, pipe_q, pipe_k, pipe_v,
+            pipe_tiles, pipe_bias, pipe_row, tiled_mma_qk, tiled_mma_pv, limits, scale_log2,
+            bias_scale, softcap_scale, softcap,
         ) = consumed  # fmt: skip
         m_block, n_block_min, n_block_max, h, b, bits = tile
         spec = self.spec
@@ -947,17 +1014,23 @@ class FlashFwdSm90:
             )
         )
         views = {name: thr_qk.partition_C(tile_smem[name][1]) for name in tile_smem}
-        if cutlass.const_expr(self.bias_tma and self.bias_row):  # every row reads row 0
+        if cutlass.const_expr(self.row_f32):  # every row reads row 0 of the fp32 copy
+            row_view = cute.make_layout((tm, tn, st), stride=(0, 1, tn))
+            views["bias"] = thr_qk.partition_C(cute.make_tensor(sRow.iterator, row_view))
+        elif cutlass.const_expr(self.bias_tma and self.bias_row):  # every row reads row 0
             row_view = cute.make_layout((tm, tn, st), stride=(0, 1, bias_row_pitch(tn)))
             views["bias"] = thr_qk.partition_C(cute.make_tensor(sBias.iterator, row_view))
         elif cutlass.const_expr(self.bias_tma):
             views["bias"] = thr_qk.partition_C(sBias)
         row_bias = self.bias_row
+        # the bias stages the scores read: a row's fp32 copy (convert_row), else the TMA's
+        pipe_read = pipe_row if cutlass.const_expr(self.row_f32) else pipe_bias
         # a row bias without softcap: scores in log2 units, one FMA each (Scores.log2_units)
         log2_units = row_bias and not spec.has_softcap
         scores = Scores(
             spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=row_bias, bias_after_gemm=row_bias,
+            bias_converted=self.row_f32,
             mask_expiry=spec.mask is not None and spec.mask.dtype in ("i32", "i64"),
             mask_ranges=spec.mask is not None and spec.mask.dtype == "i64",
             log2_units=log2_units, scale_log2=scale_log2,
@@ -989,7 +1062,7 @@ class FlashFwdSm90:
             )
             pipe_k.consumer_release(state)
             mask_tiles = self.finish_scores(
-                scores, acc_S, views, pipe_tiles, pipe_bias, state,
+                scores, acc_S, views, pipe_tiles, pipe_read, state,
                 self.block_full(n_block, top, full_bits, dense), limits, tScS, m_block, n_block,
                 mask_tiles,
             )  # fmt: skip
@@ -1023,7 +1096,7 @@ class FlashFwdSm90:
                 warpgroup.wait_group(1)  # S of this block is complete
                 pipe_k.consumer_release(state)
                 mask_tiles = self.finish_scores(
-                    scores, acc_S, views, pipe_tiles, pipe_bias, state, full, limits, tScS,
+                    scores, acc_S, views, pipe_tiles, pipe_read, state, full, limits, tScS,
                     m_block, current, mask_tiles,
                 )  # fmt: skip
                 pv_done = functools.partial(self.pv_done, pipe_v, prev)
@@ -1057,7 +1130,10 @@ class FlashFwdSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         # Both consumers' wgmmas that read sQ (sO without q_state) have completed; sO is free.
         cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
-        r2s = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        # stmatrix: 8 stores of four 8 x 8 matrices per thread (64 values), not 32 STS
+        r2s = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
         tiles.acc_to_smem(acc_O, self.dtype, r2s, tiled_mma_pv, tidx, sO)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes, read by the TMA store
         cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.consumer_threads)
@@ -1108,7 +1184,8 @@ class FlashFwdSm90:
     ):
         """acc_S after Q K^T: softcap, the bias after it, the mask tile (unless `full`: FULL,
         block_full), the causal/window/length limits; then the stage's mask/bias tiles are
-        released. Returns mask_tiles (the mask stages read so far, mask_only_tiles) after this
+        released (pipe_bias: the pipeline of the bias stages read, a bias row's fp32 copy for
+        a row). Returns mask_tiles (the mask stages read so far, mask_only_tiles) after this
         block."""
         spec = self.spec
         if cutlass.const_expr(self.bias_tiles and not self.bias_first):
@@ -1136,7 +1213,9 @@ class FlashFwdSm90:
             mask_tiles += 1 - full // FULL
         elif cutlass.const_expr(self.bias_tiles):
             pipe_tiles.consumer_release(state)
-        if cutlass.const_expr(self.bias_tma):
+        if cutlass.const_expr(self.row_f32):
+            pipe_bias.consumer_release(state)  # pipe_row: every thread after its own reads
+        elif cutlass.const_expr(self.bias_tma):
             # one arrive per warp (PipelineTmaAsync); the warp's lanes have read the tile first
             cute.arch.sync_warp()
             pipe_bias.consumer_release(state)
