@@ -6,16 +6,17 @@ the CTAs run in sections of query heads whose K and V fit in half of L2, and wit
 the query block varies slowest (longest first), so the last wave runs every head's short rows
 instead of one head's long ones while the rest of the GPU idles. With a block mask the launch
 gives the order (spec.ordered): the same sections, each sorted by visible key blocks, most
-first, since a random block mask leaves some rows twice the average; a block mask alone
-runs persistent CTAs instead (Sm90FwdSpec.persistent: one per SM, each walking its share of
-that order, the next item's Q and first key blocks loading under the end of the current
-one). Three warpgroups:
+first, since a random block mask leaves some rows twice the average. Without a mask, or with
+a block mask alone, persistent CTAs run instead (Sm90FwdSpec.persistent: one per SM, each
+walking its share of that order, the next item's Q and first key blocks loading under the
+end of the current one). Three warpgroups:
 
 - the producer (warps 0-3, few registers): warp 0 loads Q once (before the block bits are
   read, so that the two loads overlap) and K, V per visible key block by TMA into `stages`
   smem stages, and the bias tile too when its rows allow (16-bit, 16-byte aligned:
   Sm90FwdSpec's `bias.tma_tiles`; a query-broadcast bias as one row of the block's keys,
-  which spares the producer's cp.async pipeline); all four warps load the mask
+  which spares the producer's cp.async pipeline, and which warp 1 converts to fp32 in log2
+  units once per block where the copy fits: convert_row); all four warps load the mask
   tile, and a bias TMA cannot read, with predicated cp.async (any view: broadcast dims, odd
   strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
   copies land. A block's bias and mask go before its K and V.
@@ -26,7 +27,8 @@ one). Three warpgroups:
   block runs under the GEMMs of its neighbours), and with head dims up to 128 the two
   consumers take turns at the tensor cores (named barriers), one's softmax under the other's
   GEMMs.
-- epilogue: O (rmem -> smem over sQ -> gmem by TMA store), lse and stats from registers.
+- epilogue: O (rmem -> smem over sQ, or sO, by stmatrix -> gmem by TMA store), lse and stats
+  from registers.
 
 With a mask, the block-bits pre-pass (kernels/block_bits.py) says for every (query block, key
 block) whether the mask tile has a True (visible) and whether it is all True (full). Producer
