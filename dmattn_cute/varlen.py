@@ -181,8 +181,9 @@ def _document_expiry(
     key = (tuple(seqlens), ranges, device)
     total = sum(seqlens)
     return remember_for(
-        _EXPIRY, anchor, key, lambda: _expiry_rows(cu_seqlens_k, attn_mask, ranges, total, device)
-    )
+        _EXPIRY, anchor, key,
+        lambda: _expiry_rows(cu_seqlens_k, attn_mask, ranges, total, device), graphs=True,
+    )  # fmt: skip
 
 
 def _expiry_rows(

@@ -85,3 +85,46 @@ def test_remember_for_holds_a_mask_per_layer_of_a_deep_model() -> None:
             for key in ("forward", "backward"):
                 remember_for(table, t, key, lambda t=t: made.append(t) or t.sum())
     assert len(made) == 48 * 2
+
+
+def test_device_values_under_graph_capture(monkeypatch) -> None:
+    """While a CUDA graph is captured (memo.capturing), device values (graphs=True): a miss is
+    made and not remembered (the graph fills it at its replays); a hit is held for the
+    process, past its table's emptying and its tensor's death (the graph reads it at every
+    replay); host values are remembered as ever."""
+    import gc
+    import weakref
+
+    import torch
+
+    from dmattn_cute import memo
+
+    def made(value, log):
+        return lambda: log.append(value) or value
+
+    table, log = {}, []
+    monkeypatch.setattr(memo, "capturing", lambda: True)
+    assert memo.remember(table, "a", made(torch.zeros(1), log), graphs=True) is log[-1]
+    assert table == {}  # made in the capture: not remembered
+    assert memo.remember(table, "h", made(3, log)) == 3 and table == {"h": 3}  # a host value
+    monkeypatch.setattr(memo, "capturing", lambda: False)
+    value = memo.remember(table, "a", made(torch.ones(1), log), graphs=True)
+    monkeypatch.setattr(memo, "capturing", lambda: True)
+    assert memo.remember(table, "a", made(None, log), graphs=True) is value and len(log) == 3
+    alive = weakref.ref(value)
+    table.clear()
+    del value
+    gc.collect()
+    assert alive() is not None  # held for the graph
+
+    mask, owned = torch.zeros(2), {}
+    assert memo.remember_for(owned, mask, "k", made(torch.zeros(1), log), graphs=True) is log[-1]
+    assert owned == {}
+    monkeypatch.setattr(memo, "capturing", lambda: False)
+    bits = memo.remember_for(owned, mask, "k", made(torch.ones(2), log), graphs=True)
+    monkeypatch.setattr(memo, "capturing", lambda: True)
+    assert memo.remember_for(owned, mask, "k", made(None, log), graphs=True) is bits
+    alive = weakref.ref(bits)
+    del mask, bits
+    gc.collect()
+    assert owned == {} and alive() is not None  # its mask gone, the graph's copy kept

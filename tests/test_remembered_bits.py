@@ -157,3 +157,39 @@ def test_a_graph_reads_the_mask_each_replay_holds() -> None:
         graph.replay()
         torch.cuda.synchronize()
         _check_out(out, q, k, v, mask, bias)
+
+
+@pytest.mark.sm90
+def test_graphs_keep_the_launch_items_they_capture() -> None:
+    """The persistent forward's items (launch_order.grid_items) under CUDA graphs: a batch
+    first seen inside a capture gets items the graph makes at its replays, not remembered (an
+    eager call before the first replay would read them unfilled); items a graph took from the
+    memo stay its own when the memo is emptied and the allocator hands memory out again."""
+    from dmattn_cute import flash_dmattn_func
+    from dmattn_cute.kernels import launch_order
+
+    q, k, v, _, bias = random_inputs(
+        2, 1000, 777, 4, 2, 128, torch.bfloat16, "cuda", bias_shape=(2, 2, 1, 777)
+    )
+
+    def call(n):  # batch n: its own items, one kernel for both
+        with torch.no_grad():
+            return flash_dmattn_func(q[:n], k[:n], v[:n], None, bias[:n])
+
+    call(1)  # compiled; batch 1's items remembered
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        outs = {n: call(n) for n in (1, 2)}
+    torch.cuda.current_stream().wait_stream(side)
+    _check_out(call(2), q, k, v, None, bias)  # before any replay
+    launch_order._GRID_ITEMS.clear()
+    junk = [torch.full((1 << 16,), -7, dtype=torch.int32, device="cuda") for _ in range(64)]
+    for out in outs.values():
+        out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for n, out in outs.items():
+        _check_out(out, q[:n], k[:n], v[:n], None, bias[:n])
+    del junk

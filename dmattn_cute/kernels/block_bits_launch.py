@@ -11,7 +11,7 @@ import torch
 
 from ..jit.arch import target_arch
 from ..jit.cache import compiled
-from ..memo import remember_for
+from ..memo import capturing, remember_for
 from ..problem import broadcast_view
 from .block_bits import BlockBitsSpec
 from .launch import operand_spec, operand_view
@@ -33,7 +33,7 @@ def remembered_bits(
     these (Sq, Sk) by this pre-pass variant, remembered while the tensor it views is
     unchanged; the result is shared and must not be written. Not while a CUDA graph is
     captured: its replays must read the mask they find."""
-    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing():
         return make()
     base = mask if mask._base is None else mask._base
     where = (mask.storage_offset(), tuple(mask.shape), mask.stride(), mask.dtype)

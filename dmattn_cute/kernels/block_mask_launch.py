@@ -60,7 +60,8 @@ def joint_mask(
             keys = torch.ones((1, 1, 1, seqlen_k), dtype=torch.bool, device=device)
             return _widened(keys, block_mask)
 
-        return remember(_ALL_TRUE, (seqlen_k, device, *block_mask.shape[:2]), make, _MEMO_MAX)
+        key = (seqlen_k, device, *block_mask.shape[:2])
+        return remember(_ALL_TRUE, key, make, _MEMO_MAX, graphs=True)
     return _widened(mask, block_mask)
 
 
@@ -91,7 +92,11 @@ def block_bits(
     block mask; the result is shared and must not be written."""
     key = (problem.seqlen_q, problem.seqlen_k, tile_m, tile_n, heads)
     return remember_for(
-        _BITS, block_mask, key, lambda: _block_bits(block_mask, problem, tile_m, tile_n, heads)
+        _BITS,
+        block_mask,
+        key,
+        lambda: _block_bits(block_mask, problem, tile_m, tile_n, heads),
+        graphs=True,
     )
 
 

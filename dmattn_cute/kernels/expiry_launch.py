@@ -39,7 +39,11 @@ def expiry_bits(
     written."""
     key = (problem.seqlen_q, problem.seqlen_k, tile_m, tile_n)
     return remember_for(
-        _BITS, key_expiry, key, lambda: _expiry_bits(key_expiry, problem, tile_m, tile_n)
+        _BITS,
+        key_expiry,
+        key,
+        lambda: _expiry_bits(key_expiry, problem, tile_m, tile_n),
+        graphs=True,
     )
 
 

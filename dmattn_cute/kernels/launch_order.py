@@ -73,7 +73,7 @@ def forward_order(
         return sorted_items(_visible_counts(bits, problem, tile_m, tile_n), section_heads)
 
     key = ("fwd", problem, tile_m, tile_n, section_heads)
-    return remember_for(_MASK_ORDERS, block_mask, key, make)
+    return remember_for(_MASK_ORDERS, block_mask, key, make, graphs=True)
 
 
 def _visible_counts(bits: torch.Tensor, problem: Problem, tile_m: int, tile_n: int):
@@ -112,7 +112,7 @@ def forward_items(
         return per_cta(decoded, ctas) if ctas else decoded
 
     key = ("fwd items", problem, tile_m, tile_n, section_heads, ctas)
-    return remember_for(_MASK_ORDERS, block_mask, key, make)
+    return remember_for(_MASK_ORDERS, block_mask, key, make, graphs=True)
 
 
 # Persistent forwards' items without a block mask, by problem, tiles, batch entries, sections,
@@ -143,7 +143,7 @@ def grid_items(
         return per_cta(torch.stack([*decoded, torch.zeros_like(items)], 1).to(torch.int32), ctas)
 
     key = (problem, tile_m, tile_n, entries, section_heads, ctas, device)
-    return remember(_GRID_ITEMS, key, make, 64)
+    return remember(_GRID_ITEMS, key, make, 64, graphs=True)
 
 
 def per_cta(items: torch.Tensor, ctas: int) -> torch.Tensor:
@@ -195,8 +195,8 @@ def walk_order(
 
     key = ("bwd", problem, tile_m, tile_n, per_section, torch.device(device))
     if block_mask is None:
-        return remember(_LIMIT_ORDERS, key, make)
-    return remember_for(_MASK_ORDERS, block_mask, key, make)
+        return remember(_LIMIT_ORDERS, key, make, graphs=True)
+    return remember_for(_MASK_ORDERS, block_mask, key, make, graphs=True)
 
 
 __all__ = [
