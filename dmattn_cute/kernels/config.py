@@ -311,11 +311,11 @@ def sm90_fwd_tile(
         buffers = sm90_fwd_smem_buffers(tile, head_dim_padded, elem_bytes, mask, bias)
         return smem_total(buffers) <= smem_capacity(arch)
 
+    row = bias is not None and bias.tma and bias.row_broadcast
     while tile_n >= 32:
         tile = Sm90FwdTile(tile_m, tile_n, 2)
         if fits(tile):
             converted = Sm90FwdTile(tile_m, tile_n, 2, row_f32=True)
-            row = bias is not None and bias.tma and bias.row_broadcast
             return converted if row and fits(converted) else tile
         tile_n -= 16
     raise ValueError(

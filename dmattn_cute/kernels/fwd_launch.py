@@ -264,6 +264,13 @@ def forward_operands(
     return read_as_bits(problem, mask, block_mask, tile_of)
 
 
+def _section_heads(spec: Sm90FwdSpec, problem: Problem, entries: int) -> int:
+    """(batch entry, head) pairs per L2 section of a Hopper forward's launch order, for
+    `entries` batch entries (key chunks included)."""
+    group = problem.num_heads // problem.num_heads_kv
+    return spec.section_heads(problem.seqlen_k, group, entries * problem.num_heads)
+
+
 def flash_fwd(
     problem: Problem,
     q: torch.Tensor,
@@ -373,24 +380,19 @@ def flash_fwd(
                 blocks, bits, mask_given, problem, tile_m, tile_n, mask.shape[1]
             )
             bits = kernel_bits_view(bits, -(-problem.seqlen_q // tile_m))
-            group = problem.num_heads // problem.num_heads_kv
-            pairs = problem.batch * problem.num_heads
             ctas = sm_count(q.device, arch) if spec.persistent else 0
             order = forward_items(
                 blocks, from_blocks, problem, tile_m, tile_n,
-                spec.section_heads(problem.seqlen_k, group, pairs), ctas,
+                _section_heads(spec, problem, problem.batch), ctas,
             )  # fmt: skip
         plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, block_table, *plan.scalars)
     elif isinstance(plan.spec, Sm90FwdSpec):
         items = None
         spec = plan.spec
         if spec.persistent:
-            pairs = out.shape[0] * problem.num_heads
-            group = problem.num_heads // problem.num_heads_kv
             items = grid_items(
                 problem, spec.tile.tile_m, spec.tile.tile_n, out.shape[0],
-                spec.section_heads(problem.seqlen_k, group, pairs), sm_count(q.device, arch),
-                q.device,
+                _section_heads(spec, problem, out.shape[0]), sm_count(q.device, arch), q.device,
             )  # fmt: skip
         plan.kernel(q, k, v, out, lse, stats, mask, bias, None, items, block_table, *plan.scalars)
     else:

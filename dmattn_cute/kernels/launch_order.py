@@ -104,11 +104,9 @@ def forward_items(
         # the order as forward_order makes it, from the same counts (one memo entry per mask)
         counts = _visible_counts(bits, problem, tile_m, tile_n)
         items = sorted_items(counts, section_heads).long()
-        m_tiles, heads = -(-problem.seqlen_q // tile_m), problem.num_heads
         walked = walked_tiles(problem, tile_m, tile_n, bits.device).sum(1)  # per query tile
         shown = (counts == walked).flatten()
-        decoded = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads))
-        decoded = torch.stack([*decoded, shown[items].long()], 1).to(torch.int32)
+        decoded = _decoded(items, shown[items].long(), problem, tile_m)
         return per_cta(decoded, ctas) if ctas else decoded
 
     key = ("fwd items", problem, tile_m, tile_n, section_heads, ctas)
@@ -136,14 +134,21 @@ def grid_items(
     by per_cta. Memoized."""
 
     def make() -> torch.Tensor:
-        m_tiles, heads = -(-problem.seqlen_q // tile_m), problem.num_heads
         work = walked_tiles(problem, tile_m, tile_n, device).sum(1)  # [query tiles]
-        items = sorted_items(work.expand(entries * heads, m_tiles), section_heads).long()
-        decoded = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads))
-        return per_cta(torch.stack([*decoded, torch.zeros_like(items)], 1).to(torch.int32), ctas)
+        work = work.expand(entries * problem.num_heads, work.shape[0])
+        items = sorted_items(work, section_heads).long()
+        return per_cta(_decoded(items, torch.zeros_like(items), problem, tile_m), ctas)
 
     key = (problem, tile_m, tile_n, entries, section_heads, ctas, device)
     return remember(_GRID_ITEMS, key, make, 64, graphs=True)
+
+
+def _decoded(items: torch.Tensor, flags: torch.Tensor, problem: Problem, tile_m: int):
+    """int32 [items, 4] of int64 items (b * H + h) * query tiles + query tile: (query tile,
+    head, batch, flag) per item."""
+    m_tiles, heads = -(-problem.seqlen_q // tile_m), problem.num_heads
+    fields = (items % m_tiles, items // m_tiles % heads, items // (m_tiles * heads), flags)
+    return torch.stack(fields, 1).to(torch.int32)
 
 
 def per_cta(items: torch.Tensor, ctas: int) -> torch.Tensor:

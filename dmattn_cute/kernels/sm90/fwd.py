@@ -493,15 +493,14 @@ class FlashFwdSm90:
             barrier_storage=mbar + 2 + 2 * st, num_stages=st, producer_group=one_thread,
             consumer_group=consumer_warps, tx_count=tn * dp * eb, defer_sync=True,
         )  # fmt: skip
+        # every consumer thread arrives, each after its own reads (cp.async tiles, fp32 row)
+        consumer_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.consumer_threads)
         pipe_tiles = None
         if cutlass.const_expr(self.has_tiles):
             pipe_tiles = pipeline.PipelineCpAsync.create(
                 barrier_storage=mbar + 2 + 4 * st, num_stages=st,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.consumer_threads
-                ),
-                defer_sync=True,
+                consumer_group=consumer_threads, defer_sync=True,
             )  # fmt: skip
         pipe_bias = pipe_row = None
         if cutlass.const_expr(self.bias_tma):
@@ -513,15 +512,11 @@ class FlashFwdSm90:
                 defer_sync=True,
             )  # fmt: skip
         if cutlass.const_expr(self.row_f32):
-            # its fp32 copy: written by producer warp 1, released by every consumer thread
-            # after its own reads
+            # its fp32 copy: written by producer warp 1's lanes
             pipe_row = pipeline.PipelineAsync.create(
                 barrier_storage=mbar + 2 + 8 * st, num_stages=st,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.consumer_threads
-                ),
-                defer_sync=True,
+                consumer_group=consumer_threads, defer_sync=True,
             )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every mbarrier is initialized before any thread uses one
