@@ -159,6 +159,7 @@ def test_a_graph_reads_the_mask_each_replay_holds() -> None:
         _check_out(out, q, k, v, mask, bias)
 
 
+@pytest.mark.gpu
 @pytest.mark.sm90
 def test_graphs_keep_the_launch_items_they_capture() -> None:
     """The persistent forward's items (launch_order.grid_items) under CUDA graphs: a batch
