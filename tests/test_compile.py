@@ -273,6 +273,22 @@ def test_hopper_dense_walk_register_split() -> None:
     assert splits(fwd_ptx("sm_90a", plain)) == {("dec", 24), ("inc", 240)}
 
 
+def test_hopper_register_splits_fit_the_launch_pool() -> None:
+    """setmaxnreg moves registers between the warpgroups of a CTA: the consumers' increase
+    waits until the producer's decrease has freed enough of what the launch gave (65536 per
+    SM over the CTA's threads and CTAs, in steps of 8), so a split that needs more never
+    starts (a producer at 32 beside two consumers at 240 hung the forward)."""
+    from dmattn_cute.kernels.sm90 import bwd, fwd
+
+    splits = [(wgs, regs) for (wgs, _), regs in fwd._REGISTERS.items()] + [(2, bwd._REGISTERS)]
+    for wgs, (producer, consumer) in splits:
+        threads = 128 * (1 + wgs)
+        ctas = 2 if wgs == 1 else 1  # one consumer: two CTAs per SM
+        launch = min(65536 // (threads * ctas) // 8 * 8, 255)
+        assert producer % 8 == 0 and consumer % 8 == 0
+        assert 128 * producer + 128 * wgs * consumer <= threads * launch, (wgs, producer)
+
+
 def nvdisasm() -> str:
     """nvdisasm from the test extra's nvidia-cuda-nvdisasm wheel, else a CUDA toolkit's."""
     spec = importlib.util.find_spec("nvidia")
