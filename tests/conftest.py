@@ -30,6 +30,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gpu_arch = _gpu_arch()
     here = gpu_arch or ("no GPU" if not torch.cuda.is_available() else "an unsupported GPU")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+    # An arch marker without `gpu` would be skipped here and left out of the device's
+    # `-m gpu` runs alike: the test would never run anywhere.
+    unrun = [
+        i.nodeid
+        for i in items
+        if "gpu" not in i.keywords and ARCH_MARKERS.keys() & i.keywords.keys()
+    ]
+    if unrun:
+        raise pytest.UsageError(f"arch-marked tests without the gpu marker: {unrun}")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
