@@ -224,6 +224,9 @@ class Sm90FwdTile:
     # A bias row by TMA is converted to fp32 (in log2 units) once per block by a producer warp
     # into stages of its own, where they fit without a narrower tile_n (sm90_fwd_tile).
     row_f32: bool = False
+    # A bias row enters Q K^T as one more k-step (kernels/key_bias_terms.py): a key block's
+    # (tile_n, 16) terms ride K's stage and barrier, against a (tile_m, 16) tile of ones.
+    bias_terms: bool = False
 
     @property
     def consumer_warpgroups(self) -> int:
@@ -245,7 +248,7 @@ def sm90_fwd_smem_buffers(
     mbarriers (full + empty per stage: Q, K, V, cp.async mask/bias, TMA bias, and with
     tile.row_f32 the bias row's fp32 copy), Q (reused for O), K and V stages (1024-byte aligned
     for the 128-byte swizzle of TMA and wgmma), mask and bias stages (`bias_f32`: the fp32
-    copy of a bias row)."""
+    copy of a bias row; with tile.bias_terms, the bias row's terms stages and `ones`)."""
     kv_bytes = tile.stages * tile.tile_n * head_dim_padded * elem_bytes
     barriers = 2 * (1 + 4 * tile.stages) + (2 * tile.stages if tile.row_f32 else 0)
     buffers = [
@@ -255,7 +258,10 @@ def sm90_fwd_smem_buffers(
         SmemBuffer("v", kv_bytes, 1024),
     ]
     for name, operand in (("mask", mask), ("bias", bias)):
-        if operand is not None and operand.tma and operand.row_broadcast:
+        if name == "bias" and tile.bias_terms:
+            buffers.append(SmemBuffer("bias", tile.stages * tile.tile_n * 16 * elem_bytes, 1024))
+            buffers.append(SmemBuffer("ones", tile.tile_m * 16 * elem_bytes, 1024))
+        elif operand is not None and operand.tma and operand.row_broadcast:
             size = tile.stages * bias_row_pitch(tile.tile_n) * operand.elem_bytes
             buffers.append(SmemBuffer(name, size, 1024))
             if tile.row_f32:
@@ -291,11 +297,13 @@ def sm90_fwd_tile(
     mask: SmemOperand | None,
     bias: SmemOperand | None,
     short_queries: bool = False,
+    bias_terms: bool = False,
 ) -> Sm90FwdTile:
     """The Hopper forward tiling: 192 query rows up to head dim 64 without mask/bias, else
     128, and 64 (one consumer) for short queries up to head dim 128; two stages; the widest
     key block that fits (ValueError when none does), at most SHORT_QUERY_TILE_N keys for
-    short queries."""
+    short queries. bias_terms: a bias row may enter Q K^T as terms (Sm90FwdTile.bias_terms),
+    where they fit at the key block the row would have had."""
     tile_n = _SM90_FWD_TILE_N[head_dim_padded]
     if short_queries:
         tile_n = min(tile_n, SHORT_QUERY_TILE_N)
@@ -315,6 +323,9 @@ def sm90_fwd_tile(
     while tile_n >= 32:
         tile = Sm90FwdTile(tile_m, tile_n, 2)
         if fits(tile):
+            terms = Sm90FwdTile(tile_m, tile_n, 2, bias_terms=True)
+            if bias_terms and fits(terms):
+                return terms
             converted = Sm90FwdTile(tile_m, tile_n, 2, row_f32=True)
             return converted if row and fits(converted) else tile
         tile_n -= 16

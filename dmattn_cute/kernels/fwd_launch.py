@@ -27,6 +27,7 @@ from .block_bits_launch import (
 from .block_mask_launch import joint_block_bits, read_as_bits
 from .config import SHORT_QUERY_ROWS
 from .fwd import FwdScalars, FwdSpec
+from .key_bias_terms import key_bias_terms
 from .launch import (
     dtype_name,
     kernel_layout,
@@ -357,6 +358,8 @@ def flash_fwd(
             f"block_table: page_size {k.shape[1]} is not a multiple of the key tile {tile_n}"
         )
     plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None, scans, paged)
+    if isinstance(plan.spec, Sm90FwdSpec) and plan.spec.tile.bias_terms:
+        bias = key_bias_terms(bias, plan.scalars.bias_scale, arch)  # what the kernel reads
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)

@@ -77,6 +77,7 @@ from ..config import (
     smem_total,
 )
 from ..fwd import FwdScalars
+from ..key_bias_terms import TERMS
 from ..masking import FULL, VISIBLE
 from ..scores import Scores
 from ..softmax import OnlineSoftmax
@@ -160,7 +161,13 @@ class Sm90FwdSpec:
             raise ValueError("blocks_full: only with a block mask's bits")
         dp = padded_head_dim(head_dim)
         smem = _smem_operands(mask, bias)
-        tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem, short_queries)
+        # a bias row as terms of Q K^T (bf16: their range is fp32's; the softcap comes
+        # between Q K^T and the bias; a decode step would read 32 more bytes per key)
+        terms = (
+            bias is not None and bias.row_broadcast and dtype == "bf16" and not has_softcap
+            and not short_queries and not paged
+        )  # fmt: skip
+        tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem, short_queries, terms)
         return Sm90FwdSpec(
             dtype, dp, tile, mask, bias, has_window, has_softcap, block_mask, paged, blocks_full
         )  # fmt: skip
@@ -208,6 +215,9 @@ class Sm90FwdSpec:
         lse = fake_tensor("fp32", ("d", "d", "1"), 4)
         stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
         mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
+        if self.tile.bias_terms:  # the bias's terms (bf16 words of key_bias_terms)
+            kinds = tuple("0" if self.bias.strides[d] == "0" else "d" for d in (0, 1))
+            bias = fake_tensor("bf16", (*kinds, "d", "1"), 16, TERMS)
         bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
         order = None
         if self.persistent:  # [CTAs, items per CTA, 4]
@@ -251,11 +261,15 @@ class FlashFwdSm90:
         self.head_dim_padded = spec.head_dim_padded
         self.num_threads = spec.tile.num_threads
         self.consumer_threads = self.num_threads - 128
-        self.bias_tma = spec.bias is not None and spec.bias.tma_tiles
-        self.bias_row = spec.bias is not None and spec.bias.row_broadcast
+        # A bias row as terms of Q K^T: TMA copies them with K (the kernel's mBias is the
+        # terms tensor), and the scores need no bias added.
+        self.bias_terms = spec.tile.bias_terms
+        read_bias = spec.bias is not None and not self.bias_terms  # (read as a bias)
+        self.bias_tma = read_bias and spec.bias.tma_tiles
+        self.bias_row = read_bias and spec.bias.row_broadcast
         self.row_f32 = spec.tile.row_f32  # (a TMA bias row: convert_row)
         # tiles the producer copies with cp.async: the mask's, and a bias TMA cannot read
-        self.bias_tiles = spec.bias is not None and not self.bias_tma
+        self.bias_tiles = read_bias and not self.bias_tma
         self.has_tiles = spec.mask is not None or self.bias_tiles
         # The cp.async stages hold the mask alone: a full block (its bits say every element is
         # True) then takes no stage at all, so producer and consumers count their own stages
@@ -351,6 +365,14 @@ class FlashFwdSm90:
         # The bias by TMA: (Sq, Sk[, heads][, batch]), its broadcast (stride-0) dims left out.
         # A query-broadcast bias: one row per block, (Sk[, heads][, batch]), a box of tn keys.
         tma_bias = tBias = sBias_layout = None
+        if cutlass.const_expr(self.bias_terms):
+            # (Sk, TERMS[, heads][, batch]): a box of tn keys' terms per block, as K's
+            kept = [2, 3] + [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
+            view = cute.make_tensor(mBias.iterator, cute.select(mBias.layout, mode=kept))
+            sBias_layout = smem_layout(self.dtype, tn, TERMS, st)
+            tma_bias, tBias = cpasync.make_tiled_tma_atom(
+                load, view, cute.select(sBias_layout, mode=[0, 1]), (tn, TERMS), 1
+            )
         if cutlass.const_expr(self.bias_tma):
             rows = [] if self.bias_row else [2]
             kept = rows + [3] + [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
@@ -476,6 +498,21 @@ class FlashFwdSm90:
         sK = tiles.swizzled_smem_tensor(smem["k"], self.dtype, sK_layout)
         sV = tiles.swizzled_smem_tensor(smem["v"], self.dtype, sV_layout)
         mbar = cute.recast_ptr(smem["mbar"][0], dtype=cutlass.Int64)
+        sTerms = sOnes = None
+        if cutlass.const_expr(self.bias_terms):
+            sTerms = tiles.swizzled_smem_tensor(smem["bias"], self.dtype, sBias_layout)
+            sOnes = tiles.swizzled_smem_tensor(
+                smem["ones"], self.dtype, smem_layout(self.dtype, tm, TERMS)
+            )
+            # the terms' A operand: 1 in columns 0-2, for the whole kernel (wgmma reads it
+            # through the async proxy after the CTA barrier below)
+            tidx = cute.arch.thread_idx()[0]
+            for i in cutlass.range_constexpr(-(-tm * TERMS // self.num_threads)):
+                e = tidx + i * self.num_threads
+                if e < tm * TERMS:
+                    one = cutlass.Float32(1.0) if e % TERMS < 3 else cutlass.Float32(0.0)
+                    sOnes[e // TERMS, e % TERMS] = one.to(self.dtype)
+            cute.arch.fence_view_async_shared()
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(
             pipeline.Agent.Thread, self.consumer_threads // 32
@@ -485,9 +522,10 @@ class FlashFwdSm90:
             barrier_storage=mbar, num_stages=1, producer_group=one_thread,
             consumer_group=consumer_warps, tx_count=tm * dp * eb, defer_sync=True,
         )  # fmt: skip
+        k_bytes = tn * (dp + (TERMS if self.bias_terms else 0)) * eb  # (a block's terms too)
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=mbar + 2, num_stages=st, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=tn * dp * eb, defer_sync=True,
+            consumer_group=consumer_warps, tx_count=k_bytes, defer_sync=True,
         )  # fmt: skip
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=mbar + 2 + 2 * st, num_stages=st, producer_group=one_thread,
@@ -539,6 +577,8 @@ class FlashFwdSm90:
             sBias = tiles.smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], row_layout)
         elif cutlass.const_expr(self.bias_tma):
             sBias = tiles.swizzled_smem_tensor(smem["bias"], DTYPES[spec.bias.dtype], sBias_layout)
+        if cutlass.const_expr(self.bias_terms):
+            sBias = sTerms
         if cutlass.const_expr(self.row_f32):
             sRow = tiles.smem_tensor(
                 smem["bias_f32"], cutlass.Float32, cute.make_layout((tn, st), stride=(1, tn))
@@ -558,7 +598,7 @@ class FlashFwdSm90:
         consumed = (
             tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, sRow, tma_o, pipe_q, pipe_k, pipe_v,
             pipe_tiles, pipe_bias, pipe_row, tiled_mma_qk, tiled_mma_pv, limits, scale_log2,
-            bias_scale, softcap_scale, softcap,
+            bias_scale, softcap_scale, softcap, sOnes,
         )  # fmt: skip
 
         if cutlass.const_expr(spec.persistent):
@@ -822,6 +862,15 @@ class FlashFwdSm90:
         if cutlass.const_expr(spec.paged):
             page_blocks = cutlass.Int32(tK.shape[0] // tn)
         tBsB = tBgB = None
+        if cutlass.const_expr(self.bias_terms):  # (sBias: the terms stages)
+            coord = [None, None] + [
+                x for d, x in ((1, h // bias_head_div), (0, b_op)) if spec.bias.strides[d] != "0"
+            ]
+            gB = cute.local_tile(tBias[tuple(coord)], (tn, TERMS), (None, 0))
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_bias, 0, cute.make_layout(1), cute.group_modes(sBias, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )  # fmt: skip
         if cutlass.const_expr(self.bias_tma):
             coord = [None] * (1 if self.bias_row else 2) + [
                 x for d, x in ((1, h // bias_head_div), (0, b_op)) if spec.bias.strides[d] != "0"
@@ -897,6 +946,11 @@ class FlashFwdSm90:
                     tma_k, k_blocks[None, block], k_stages[None, state.index],
                     tma_bar_ptr=pipe_k.producer_get_barrier(state),
                 )  # fmt: skip
+                if cutlass.const_expr(self.bias_terms):  # on K's barrier (its tx_count)
+                    cute.copy(
+                        tma_bias, tBgB[None, n_block], tBsB[None, state.index],
+                        tma_bar_ptr=pipe_k.producer_get_barrier(state),
+                    )  # fmt: skip
                 pipe_v.producer_acquire(state)
                 cute.copy(
                     tma_v, v_blocks[None, block], v_stages[None, state.index],
@@ -982,7 +1036,7 @@ class FlashFwdSm90:
         (
             tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, sRow, tma_o, pipe_q, pipe_k, pipe_v,
             pipe_tiles, pipe_bias, pipe_row, tiled_mma_qk, tiled_mma_pv, limits, scale_log2,
-            bias_scale, softcap_scale, softcap,
+            bias_scale, softcap_scale, softcap, sOnes,
         ) = consumed  # fmt: skip
         m_block, n_block_min, n_block_max, h, b, bits = tile
         spec = self.spec
@@ -997,6 +1051,12 @@ class FlashFwdSm90:
         wg_pv = tiled_mma_pv.get_slice(wg * 128)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        terms = None  # a bias row's k-step: (ones, the stages' terms)
+        if cutlass.const_expr(self.bias_terms):
+            terms = (
+                wg_qk.make_fragment_A(wg_qk.partition_A(sOnes)),
+                wg_qk.make_fragment_B(wg_qk.partition_B(sBias)),
+            )
         sVt = tiles.transposed(sV, tn, dp, st)
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((tm, dp)), cutlass.Float32)
@@ -1025,7 +1085,8 @@ class FlashFwdSm90:
         # a row bias without softcap: scores in log2 units, one FMA each (Scores.log2_units)
         log2_units = row_bias and not spec.has_softcap
         scores = Scores(
-            spec.bias is not None, spec.mask is not None, spec.has_softcap, bias_scale,
+            spec.bias is not None and not self.bias_terms, spec.mask is not None,
+            spec.has_softcap, bias_scale,
             softcap_scale, softcap, bias_rows_shared=row_bias, bias_after_gemm=row_bias,
             bias_converted=self.row_f32,
             mask_expiry=spec.mask is not None and spec.mask.dtype in ("i32", "i64"),
@@ -1055,8 +1116,9 @@ class FlashFwdSm90:
             self.start_scores(scores, acc_S, views, pipe_tiles, pipe_bias, state)
             pipe_k.consumer_wait(state)
             wgmma(
-                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], self.bias_first, 0
-            )
+                tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], self.bias_first, 0,
+                self.terms_step(terms, state),
+            )  # fmt: skip
             pipe_k.consumer_release(state)
             mask_tiles = self.finish_scores(
                 scores, acc_S, views, pipe_tiles, pipe_read, state,
@@ -1078,7 +1140,7 @@ class FlashFwdSm90:
                 self.turn_wait(wg)
                 wgmma(
                     tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index],
-                    self.bias_first, -1,
+                    self.bias_first, -1, self.terms_step(terms, state),
                 )  # fmt: skip
                 pipe_v.consumer_wait(prev)
                 wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], True, -1)
@@ -1146,6 +1208,13 @@ class FlashFwdSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # read before the CTA exits
         return state
 
+    def terms_step(self, terms, state):
+        """The (A, B) fragments of a bias row's k-step at `state`'s stage, or None."""
+        if terms is None:
+            return None
+        ones, stages = terms
+        return ones, stages[None, None, None, state.index]
+
     @cute.jit
     def release_q(self, pipe_q, q_state):
         """A persistent CTA's consumers free sQ for the next item's Q (q_state; else none)."""
@@ -1190,7 +1259,7 @@ class FlashFwdSm90:
         if cutlass.const_expr(self.bias_tma and self.bias_row):
             pipe_bias.consumer_wait(state)  # a bias row is added after Q K^T
         t_bias = t_mask = None
-        if cutlass.const_expr(spec.bias is not None):
+        if cutlass.const_expr(spec.bias is not None and not self.bias_terms):
             t_bias = views["bias"][None, None, None, state.index]
         tile_state = state
         if cutlass.const_expr(spec.mask is not None):

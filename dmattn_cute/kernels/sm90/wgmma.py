@@ -25,16 +25,27 @@ def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, major: i
 
 @cute.jit
 def wgmma(
-    tiled_mma, acc, tCrA, tCrB, accumulate: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]
+    tiled_mma,
+    acc,
+    tCrA,
+    tCrB,
+    accumulate: cutlass.Constexpr[bool],
+    wait: cutlass.Constexpr[int],
+    extra=None,
 ):
     """acc (+)= A B over the k-blocks of the fragments, issued as one wgmma group; waits until
-    at most `wait` groups are in flight (-1: no wait)."""
+    at most `wait` groups are in flight (-1: no wait). extra: (A, B) fragments of more k-blocks
+    added in the same group (the forward's key bias terms)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, accumulate)
     for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
+    if cutlass.const_expr(extra is not None):
+        extra_a, extra_b = extra
+        for k in cutlass.range_constexpr(cute.size(extra_a.shape[2])):
+            cute.gemm(atom, acc, extra_a[None, None, k], extra_b[None, None, k], acc)
     warpgroup.commit_group()
     if cutlass.const_expr(wait >= 0):
         warpgroup.wait_group(wait)

@@ -1,0 +1,161 @@
+"""Key bias terms: a query-broadcast bias [Bm, Hm, 1, Sk] as one more k-step of the Hopper
+forward's Q K^T.
+
+For every key, bias * (1 / scale) rounded toward zero (as Scores rounds a bias: a finfo.min
+bias stays finite) is split into three bf16 terms whose sum is that fp32 value to within
+2^-21 of it (relative): hi and mid are its leading bits truncated to bf16 (truncation never
+overflows), lo the rest, also truncated. The forward multiplies a (tile_m, 16) tile of ones in columns
+0-2 (and zeros) by the (tile_n, 16) tile of a key block's terms, one wgmma k-step added to
+Q K^T, so S = Q K^T + bias / scale comes out of the GEMM and no consumer thread adds the bias
+(FlashFwdSm90's bias_terms). An infinite bias is hi alone (mid = lo = 0): -inf masks its key.
+
+terms[bt, ht, key, 0:16] (bf16, written as 8 int32 words: word 0 = hi | mid << 16, word 1 =
+lo, the rest 0), with Bt, Ht 1 on the bias's broadcast dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import torch
+from cutlass import cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from ..jit.arch import compile_options, dependent_launch
+from ..jit.cache import compiled
+from .spec import OperandSpec, env_stream, fake_tensor
+from .utils import mul_rz
+
+NUM_THREADS = 128
+TERMS = 16  # columns of a terms row: one k16 step of the GEMM
+WORDS = TERMS // 2
+
+
+@dataclass(frozen=True)
+class KeyBiasTermsSpec:
+    """One terms kernel variant (the compile-cache key): the bias view's stride pattern and
+    dtype (any float dtype, any strides; read one element per key)."""
+
+    bias: OperandSpec
+
+    def __post_init__(self) -> None:
+        if not self.bias.row_broadcast:
+            raise ValueError("key bias terms: expected a query-broadcast bias [Bm, Hm, 1, Sk]")
+
+    def example_args(self) -> list:
+        """KeyBiasTerms's arguments for an offline compile."""
+        return [self.bias.fake(), terms_fake(self.bias), 1.0, env_stream()]
+
+    def compile(self, arch: str, extra_options: str = ""):
+        """cute.compile of this variant for `arch` (no GPU needed)."""
+        return cute.compile(
+            KeyBiasTerms(dependent_launch(arch)), *self.example_args(),
+            options=compile_options(arch, extra_options),
+        )  # fmt: skip
+
+
+def terms_fake(bias: OperandSpec):
+    """The terms tensor as the kernels that read it see it offline: int32 words [Bt, Ht, Sk,
+    WORDS] (the forward reads the same memory as bf16 [.., TERMS]), stride 0 where the bias
+    broadcasts, 32-byte rows."""
+    kinds = tuple("0" if bias.strides[d] == "0" else "d" for d in (0, 1))
+    return fake_tensor("i32", (*kinds, "d", "1"), 16, WORDS)
+
+
+@dsl_user_op
+def _bits(a: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """The bits of an fp32."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [cutlass.Float32(a).ir_value(loc=loc, ip=ip)],
+            "mov.b32 $0, $1;",
+            "=r,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def _float(a: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
+    """The fp32 of these bits."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Int32(a).ir_value(loc=loc, ip=ip)],
+            "mov.b32 $0, $1;",
+            "=f,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+_HIGH = -65536  # 0xFFFF0000: the bits of an fp32 that a bf16 keeps
+
+
+class KeyBiasTerms:
+    """One thread per key (CTAs of NUM_THREADS keys, per bias batch x head): one load, the
+    split, one 32-byte row stored. On Hopper (`dependent`) the forward after it may launch at
+    once: it waits in griddepcontrol before reading gmem."""
+
+    def __init__(self, dependent: bool) -> None:
+        self.dependent = dependent
+
+    @cute.jit
+    def __call__(
+        self,
+        mBias: cute.Tensor,  # [Bm, Hm, 1, Sk]
+        mTerms: cute.Tensor,  # [Bt, Ht, Sk, WORDS] int32
+        bias_scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        grid = (cute.ceil_div(mTerms.shape[2], NUM_THREADS), mTerms.shape[1], mTerms.shape[0])
+        self.kernel(mBias, mTerms, bias_scale).launch(
+            grid=grid, block=[NUM_THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mBias: cute.Tensor, mTerms: cute.Tensor, bias_scale: cutlass.Float32):
+        if cutlass.const_expr(self.dependent):
+            cute.arch.griddepcontrol_launch_dependents()
+        tidx, _, _ = cute.arch.thread_idx()
+        n, h, b = cute.arch.block_idx()
+        key = n * NUM_THREADS + tidx
+        if key < mTerms.shape[2]:
+            value = mul_rz(cutlass.Float32(mBias[b, h, 0, key]), bias_scale)
+            hi = _bits(value) & _HIGH
+            rest = value - _float(hi)
+            if rest != rest:  # noqa: PLR0124 (an infinity, or NaN, is hi alone)
+                rest = cutlass.Float32(0.0)
+            mid = _bits(rest) & _HIGH
+            lo = _bits(rest - _float(mid)) & _HIGH
+            row = cute.make_rmem_tensor((WORDS,), cutlass.Int32)
+            row.fill(0)
+            row[0] = ((hi >> 16) & 0xFFFF) | mid
+            row[1] = (lo >> 16) & 0xFFFF
+            words = mTerms[b, h, key, None].iterator  # 32-byte aligned: two 16-byte stores
+            cute.autovec_copy(row, cute.make_tensor(words, cute.make_layout(WORDS)))
+
+
+def terms_spec(bias: torch.Tensor) -> KeyBiasTermsSpec:
+    """The variant for a bias kernel view [Bm, Hm, 1, Sk] (launch.operand_view)."""
+    from .launch import operand_spec
+
+    return KeyBiasTermsSpec(operand_spec(bias, bias.shape[3]))
+
+
+def key_bias_terms(bias: torch.Tensor, bias_scale: float, arch: str) -> torch.Tensor:
+    """The terms of a bias kernel view [Bm, Hm, 1, Sk] for the forward: bf16 [Bm, Hm, Sk,
+    TERMS], stride 0 on the bias's broadcast dims (each computed once)."""
+    rows = [1 if bias.stride(d) == 0 else bias.shape[d] for d in (0, 1)]
+    words = torch.empty((*rows, bias.shape[3], WORDS), dtype=torch.int32, device=bias.device)
+    compiled(terms_spec(bias), arch)(bias, words, bias_scale)
+    terms = words.view(torch.bfloat16)
+    return terms.expand(bias.shape[0], bias.shape[1], *terms.shape[2:])
