@@ -310,6 +310,8 @@ def sm90_fwd_tile(
     # three consumers for small head dims without mask/bias tiles: their accumulators leave
     # registers to spare (reading mask/bias tiles in the accumulator layout does not)
     tile_m = 192 if head_dim_padded <= 64 and mask is None and bias is None else 128
+    # terms of a bias row are read by the GEMM, not in the accumulator layout
+    terms_m = 192 if head_dim_padded <= 64 and mask is None else tile_m
     if short_queries and head_dim_padded <= 128:
         # one consumer warpgroup: two CTAs share an SM (sm90/fwd.py); wider heads need more
         # than the 128 registers a thread that leaves at launch
@@ -323,7 +325,7 @@ def sm90_fwd_tile(
     while tile_n >= 32:
         tile = Sm90FwdTile(tile_m, tile_n, 2)
         if fits(tile):
-            terms = Sm90FwdTile(tile_m, tile_n, 2, bias_terms=True)
+            terms = Sm90FwdTile(terms_m, tile_n, 2, bias_terms=True)
             if bias_terms and fits(terms):
                 return terms
             converted = Sm90FwdTile(tile_m, tile_n, 2, row_f32=True)

@@ -359,7 +359,8 @@ def flash_fwd(
         )
     plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None, scans, paged)
     if isinstance(plan.spec, Sm90FwdSpec) and plan.spec.tile.bias_terms:
-        bias = key_bias_terms(bias, plan.scalars.bias_scale, arch)  # what the kernel reads
+        # what the kernel reads in place of the bias
+        bias = key_bias_terms(bias, plan.scalars.bias_scale, arch, problem.seqlen_k)
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)

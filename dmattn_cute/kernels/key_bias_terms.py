@@ -151,9 +151,12 @@ def terms_spec(bias: torch.Tensor) -> KeyBiasTermsSpec:
     return KeyBiasTermsSpec(operand_spec(bias, bias.shape[3]))
 
 
-def key_bias_terms(bias: torch.Tensor, bias_scale: float, arch: str) -> torch.Tensor:
-    """The terms of a bias kernel view [Bm, Hm, 1, Sk] for the forward: bf16 [Bm, Hm, Sk,
-    TERMS], stride 0 on the bias's broadcast dims (each computed once)."""
+def key_bias_terms(bias: torch.Tensor, bias_scale: float, arch: str, seqlen_k: int) -> torch.Tensor:
+    """The terms of a bias kernel view [Bm, Hm, 1, Km] for the forward: bf16 [Bm, Hm, Km,
+    TERMS], stride 0 on the bias's broadcast dims (each computed once); a bias broadcast over
+    the keys (Km = 1) has terms for all seqlen_k of them."""
+    if bias.shape[3] == 1:
+        bias = bias.expand(*bias.shape[:3], seqlen_k)
     rows = [1 if bias.stride(d) == 0 else bias.shape[d] for d in (0, 1)]
     words = torch.empty((*rows, bias.shape[3], WORDS), dtype=torch.int32, device=bias.device)
     compiled(terms_spec(bias), arch)(bias, words, bias_scale)

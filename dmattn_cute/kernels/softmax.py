@@ -78,8 +78,8 @@ class OnlineSoftmax:
         (utils.block_after), so that a wgmma wait in it stays there."""
         s_mn = acc_mn_view(acc_s)
         correction = cute.make_rmem_tensor(cute.size(self.row_max), cutlass.Float32)
-        if cutlass.const_expr(after_max is not None and self.huge_scores):
-            raise ValueError("probabilities: after_max needs bounded scores")
+        if cutlass.const_expr(after_max is not None and self.log2_units):
+            raise ValueError("probabilities: after_max needs scores in accumulator units")
         if cutlass.const_expr(self.huge_scores and not self.log2_units):
             # Each row's max, then one form for the whole warp (no divergence): the FMA of
             # bounded scores where every row's max * scale_log2 is moderate, the exact
@@ -93,6 +93,9 @@ class OnlineSoftmax:
                 new_maxes[r] = cute.arch.fmax(self.row_max[r], block_max)
                 base = 0.0 if new_maxes[r] == -cutlass.Float32.inf else new_maxes[r]
                 moderate = moderate & is_moderate(base * self.scale_log2)
+            if cutlass.const_expr(after_max is not None):
+                block_after(new_maxes.load().reduce(cute.ReductionOp.ADD, cutlass.Float32.zero, 0))
+                after_max()
             if cute.arch.vote_all_sync(moderate):
                 for r in cutlass.range_constexpr(cute.size(self.row_max)):
                     self.accept_row(s_mn, r, s_mn[r, None].load(), new_maxes[r], correction, "fma")

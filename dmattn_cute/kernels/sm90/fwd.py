@@ -289,7 +289,9 @@ class FlashFwdSm90:
         # top of the softmax, where P V is still running. Without a bias, two consumers wait
         # right after the row max instead (H200: 2% off D128, 0.5% off D256; with three, D64,
         # 2% slower); with a bias ptxas's place, after the bias add, was the fastest.
-        self.pv_wait_after_max = spec.bias is None and spec.tile.consumer_warpgroups == 2
+        self.pv_wait_after_max = (
+            spec.bias is None or self.bias_terms
+        ) and spec.tile.consumer_warpgroups == 2
         self.consumer_wgs = spec.tile.consumer_warpgroups
         self.registers = _REGISTERS[(self.consumer_wgs, self.has_tiles)]
         # a dense walk copies no mask tile: its producer needs only the unmasked kernel's
