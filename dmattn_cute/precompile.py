@@ -34,8 +34,11 @@ from dmattn_cute.kernels.bwd import BwdSpec
 from dmattn_cute.kernels.bwd_launch import backward_variants, preprocess_spec, sm_count
 from dmattn_cute.kernels.combine_launch import combine_spec
 from dmattn_cute.kernels.fwd_launch import forward_variants
+from dmattn_cute.kernels.key_bias_terms import terms_spec
+from dmattn_cute.kernels.launch import operand_view
 from dmattn_cute.kernels.paired_bits import paired_bits_spec
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
+from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 from dmattn_cute.problem import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, broadcast_view, make_problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -268,6 +271,8 @@ def planned_kernels(
     paged = paged and hopper_kernels(arch)
     fwd, bits = forward_variants(problem, mask4, bias4, arch, block_mask, paged)
     kernels = [("fwd", fwd)]
+    if isinstance(fwd, Sm90FwdSpec) and fwd.tile.bias_terms:  # its bias row's pre-pass
+        kernels.append(("terms", terms_spec(operand_view(bias4), problem.seqlen_k)))
     if bits is not None and own_bits:
         kernels.append(("bits", bits))
     if backward:

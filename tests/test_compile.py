@@ -19,6 +19,7 @@ from dmattn_cute.kernels.combine import CombineSpec
 from dmattn_cute.kernels.config import smem_total
 from dmattn_cute.kernels.fwd import FwdSpec, OperandSpec
 from dmattn_cute.kernels.fwd_launch import forward_family
+from dmattn_cute.kernels.key_bias_terms import KeyBiasTermsSpec
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 from dmattn_cute.kernels.spec import dtype_bytes
@@ -236,10 +237,11 @@ def test_hopper_key_bias_row_by_tma_compiles() -> None:
     """A query-broadcast ([B, Hkv, 1, Sk]) 16-bit bias with aligned rows comes by TMA too: a box
     of one block's keys from the (Sk, heads, batch) view, on its own pipeline, with no
     cp.async tiles left when there is no mask; its smem stages are one row each, and one fp32
-    row each that a producer warp converts them into (convert_row)."""
-    bias = OperandSpec("bf16", ("d", "d", "0", "1"), 8)
-    spec = fwd_spec_for("sm_90a", 128, "bf16", None, bias, False, False)
-    assert spec.bias.tma_tiles
+    row each that a producer warp converts them into (convert_row). (fp16: a bf16 forward
+    takes the row as terms of Q K^T, test_hopper_key_bias_terms_compile.)"""
+    bias = OperandSpec("fp16", ("d", "d", "0", "1"), 8)
+    spec = fwd_spec_for("sm_90a", 128, "fp16", None, bias, False, False)
+    assert spec.bias.tma_tiles and not spec.tile.bias_terms
     (buffer,) = [b for b in spec.smem_buffers() if b.name == "bias"]
     assert buffer.bytes == spec.tile.stages * -(-spec.tile.tile_n // 64) * 64 * 2
     (row,) = [b for b in spec.smem_buffers() if b.name == "bias_f32"]
@@ -251,6 +253,53 @@ def test_hopper_key_bias_row_by_tma_compiles() -> None:
         "cp.async.bulk.tensor.4d",
     }
     assert "cp.async.ca.shared.global" not in ptx and "cp.async.cg.shared.global" not in ptx
+
+
+def test_hopper_key_bias_terms_compile() -> None:
+    """A bf16 forward with a [B, Hkv, 1, Sk] bias and no softcap reads the row as terms of
+    Q K^T (kernels/key_bias_terms.py): their stages (16 bf16 per key) and the ones tile in
+    smem, no bias row stages; the terms by TMA ((Sk, 16, heads, batch): 4-D) on K's barrier;
+    one more wgmma k-step per Q K^T (9 at head dim 128, against 8 without a bias); the
+    unmasked register split. With a mask too, where the stages fit; a decode-sized call, a
+    softcap or fp16 keep the row."""
+    spec = fwd_spec_for("sm_90a", 128, "bf16", None, ROW_BIAS, False, False)
+    tile = spec.tile
+    assert tile.bias_terms and not tile.row_f32 and spec.persistent
+    buffers = {b.name: b.bytes for b in spec.smem_buffers()}
+    assert buffers["bias"] == tile.stages * tile.tile_n * 16 * 2
+    assert buffers["ones"] == tile.tile_m * 16 * 2 and "bias_f32" not in buffers
+    ptx = fwd_ptx("sm_90a", spec)
+    check_fwd_ptx("sm_90a", ptx)
+    assert set(re.findall(r"cp\.async\.bulk\.tensor\.\dd", ptx)) == {"cp.async.bulk.tensor.4d"}
+    plain = fwd_ptx("sm_90a", fwd_spec_for("sm_90a", 128, "bf16", None, None, False, False))
+    wgmmas = [len(re.findall(r"wgmma\.mma_async", text)) for text in (ptx, plain)]
+    assert wgmmas[0] - wgmmas[1] == 2  # one k-step more in each of the two Q K^T sites
+    found = set(re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx))
+    assert found == {("dec", "24"), ("inc", "240")}
+    masked = fwd_spec_for("sm_90a", 128, "bf16", FULL_MASK, ROW_BIAS, False, False)
+    assert masked.tile.bias_terms
+    assert fwd_spec_for("sm_90a", 64, "bf16", None, ROW_BIAS, False, False).tile.tile_m == 192
+    for dtype, softcap in (("fp16", False), ("bf16", True)):
+        kept = fwd_spec_for("sm_90a", 128, dtype, None, ROW_BIAS, False, softcap)
+        assert not kept.tile.bias_terms
+    decode = Sm90FwdSpec.build(
+        "sm_90a", "bf16", 128, None, ROW_BIAS, False, False, bias_terms=False
+    )
+    assert not decode.tile.bias_terms
+
+
+def test_key_bias_terms_compile() -> None:
+    """The terms pre-pass compiles offline for any bias dtype and stride pattern, with 16-byte
+    stores of each key's row and (sm_90a) the dependent launch of the forward after it."""
+    for dtype, strides, vec in (
+        ("bf16", ("d", "d", "0", "1"), 8),
+        ("fp32", ("0", "d", "0", "d"), 1),
+    ):
+        spec = KeyBiasTermsSpec(OperandSpec(dtype, strides, vec))
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = spec.compile("sm_90a", f"--keep-ptx --dump-dir {tmp}").artifacts.PTX
+        assert ptx.count("st.global.v4.b32") == 2
+        assert "griddepcontrol.launch_dependents" in ptx
 
 
 def test_hopper_dense_walk_register_split() -> None:

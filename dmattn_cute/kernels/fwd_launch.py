@@ -127,7 +127,9 @@ def _build(
     if family is Sm90FwdSpec:
         # narrow key tiles pay only where a mask skips them; without one they double the walk
         short = problem.seqlen_q <= SHORT_QUERY_ROWS and mask is not None
-        return family.build(*args, short, block_mask, paged, blocks_full)
+        # a bias row's terms cost 32 bytes per key: not where reading K and V bounds the call
+        terms = problem.seqlen_q > SHORT_QUERY_ROWS
+        return family.build(*args, short, block_mask, paged, blocks_full, terms)
     if paged:
         raise ValueError(f"block_table: the kernels of {arch} read no paged cache")
     return family.build(*args)

@@ -144,21 +144,28 @@ class KeyBiasTerms:
             cute.autovec_copy(row, cute.make_tensor(words, cute.make_layout(WORDS)))
 
 
-def terms_spec(bias: torch.Tensor) -> KeyBiasTermsSpec:
-    """The variant for a bias kernel view [Bm, Hm, 1, Sk] (launch.operand_view)."""
+def terms_source(bias: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """What the pre-pass reads of a bias kernel view [Bm, Hm, 1, Km]: the view, or with Km = 1
+    (a bias broadcast over the keys too) its expansion to all seqlen_k keys."""
+    return bias.expand(*bias.shape[:3], seqlen_k) if bias.shape[3] == 1 else bias
+
+
+def terms_spec(bias: torch.Tensor, seqlen_k: int) -> KeyBiasTermsSpec:
+    """The variant for a bias kernel view [Bm, Hm, 1, Km] (launch.operand_view)."""
     from .launch import operand_spec
 
-    return KeyBiasTermsSpec(operand_spec(bias, bias.shape[3]))
+    source = terms_source(bias, seqlen_k)
+    return KeyBiasTermsSpec(operand_spec(source, source.shape[3]))
 
 
 def key_bias_terms(bias: torch.Tensor, bias_scale: float, arch: str, seqlen_k: int) -> torch.Tensor:
-    """The terms of a bias kernel view [Bm, Hm, 1, Km] for the forward: bf16 [Bm, Hm, Km,
-    TERMS], stride 0 on the bias's broadcast dims (each computed once); a bias broadcast over
-    the keys (Km = 1) has terms for all seqlen_k of them."""
-    if bias.shape[3] == 1:
-        bias = bias.expand(*bias.shape[:3], seqlen_k)
+    """The terms of a bias kernel view [Bm, Hm, 1, Km] for the forward: bf16 [Bm, Hm, Sk,
+    TERMS] (Sk: Km, or seqlen_k where Km = 1), stride 0 on the bias's broadcast dims (each
+    computed once)."""
+    spec = terms_spec(bias, seqlen_k)
+    bias = terms_source(bias, seqlen_k)
     rows = [1 if bias.stride(d) == 0 else bias.shape[d] for d in (0, 1)]
     words = torch.empty((*rows, bias.shape[3], WORDS), dtype=torch.int32, device=bias.device)
-    compiled(terms_spec(bias), arch)(bias, words, bias_scale)
+    compiled(spec, arch)(bias, words, bias_scale)
     terms = words.view(torch.bfloat16)
     return terms.expand(bias.shape[0], bias.shape[1], *terms.shape[2:])

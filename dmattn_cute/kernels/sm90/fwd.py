@@ -152,11 +152,12 @@ class Sm90FwdSpec:
         block_mask: bool = False,
         paged: bool = False,
         blocks_full: bool = False,
+        bias_terms: bool = True,
     ) -> Sm90FwdSpec:
         """short_queries: at most config.SHORT_QUERY_ROWS query rows (narrower key tiles);
         block_mask: the mask's bits are a block mask's, whose query blocks the launch orders
         (Sm90BwdSpec.build's block_mask the same); paged, blocks_full (with block_mask): see
-        the fields."""
+        the fields; bias_terms: a bias row may enter Q K^T as terms (Sm90FwdTile.bias_terms)."""
         if blocks_full and not block_mask:
             raise ValueError("blocks_full: only with a block mask's bits")
         dp = padded_head_dim(head_dim)
@@ -164,8 +165,8 @@ class Sm90FwdSpec:
         # a bias row as terms of Q K^T (bf16: their range is fp32's; the softcap comes
         # between Q K^T and the bias; a decode step would read 32 more bytes per key)
         terms = (
-            bias is not None and bias.row_broadcast and dtype == "bf16" and not has_softcap
-            and not short_queries and not paged
+            bias_terms and bias is not None and bias.row_broadcast and dtype == "bf16"
+            and not has_softcap and not short_queries and not paged
         )  # fmt: skip
         tile = sm90_fwd_tile(arch, dp, dtype_bytes(dtype), *smem, short_queries, terms)
         return Sm90FwdSpec(
