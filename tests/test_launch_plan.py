@@ -11,6 +11,7 @@ from dmattn_cute.jit import KERNELS_ENV, cache
 from dmattn_cute.kernels import fwd_launch
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
 from dmattn_cute.kernels.fwd import FwdSpec
+from dmattn_cute.kernels.key_bias_terms import KeyBiasTermsSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 from dmattn_cute.problem import make_problem
 
@@ -29,14 +30,20 @@ def test_same_layouts_reuse_the_plan(launches) -> None:
     bias = torch.randn(B, H, 1, SK, dtype=torch.bfloat16)
     forward(mask, bias)
     forward(mask.clone(), bias.clone())  # new tensors, same layouts
-    assert len(launches["compiled"]) == 2  # the forward and its block-bits pre-pass, once
-    bits_spec, fwd_spec = launches["compiled"][1], launches["compiled"][0]
+    # the forward and its pre-passes, once: block bits, and the bf16 bias row's terms
+    assert len(launches["compiled"]) == 3
+    fwd_spec, bits_spec, terms_spec = launches["compiled"]
     assert isinstance(fwd_spec, Sm90FwdSpec) and isinstance(bits_spec, BlockBitsSpec)
-    assert [spec for spec, _ in launches["calls"]] == [bits_spec, fwd_spec] * 2
+    assert fwd_spec.tile.bias_terms and isinstance(terms_spec, KeyBiasTermsSpec)
+    assert [spec for spec, _ in launches["calls"]] == [terms_spec, bits_spec, fwd_spec] * 2
+    # the forward reads the terms the pre-pass wrote (bf16 [B, H, SK, 16]) as its bias
+    words, (q, _, _, _, _, _, _, terms, *_) = launches["calls"][3][1][1], launches["calls"][5][1]
+    assert terms.dtype == torch.bfloat16 and tuple(terms.shape) == (B, H, SK, 16)
+    assert terms.data_ptr() == words.data_ptr() and q.shape[1] == SQ
     # the second call's bits: a fresh tensor the pre-pass wrote, viewed with stride 0 on
     # the mask's broadcast batch
-    written = launches["calls"][2][1][1]
-    bits = launches["calls"][3][1][8]
+    written = launches["calls"][4][1][1]
+    bits = launches["calls"][5][1][8]
     assert bits.data_ptr() == written.data_ptr()
     assert bits.shape == (1, HKV, -(-SQ // fwd_spec.tile.tile_m), -(-SK // fwd_spec.tile.tile_n))
     assert bits.stride()[0] == 0 and bits.stride()[1:] == written.stride()[1:]
@@ -98,8 +105,10 @@ def test_short_queries_get_narrow_key_tiles(launches, seqlen_q, tile_n) -> None:
     bias = torch.randn(B, HKV, 1, 520, dtype=torch.bfloat16)
     problem, mask4, bias4 = make_problem(q, k, v, mask, bias, None, False, 0.0, (-1, -1), False)
     fwd_launch.flash_fwd(problem, q, k, v, mask4, bias4)
-    (bits_spec, _), (fwd_spec, args) = launches["calls"]
+    # (more rows: the bias row's terms first)
+    (bits_spec, _), (fwd_spec, args) = launches["calls"][-2:]
     assert isinstance(fwd_spec, Sm90FwdSpec) and fwd_spec.tile.tile_n == tile_n
+    assert len(launches["calls"]) == (2 if seqlen_q <= 64 else 3)
     assert bits_spec.tile_n == tile_n and args[8].shape[3] == -(-520 // tile_n)
 
 

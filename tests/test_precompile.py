@@ -315,10 +315,11 @@ def test_pattern_inputs_match_their_description() -> None:
 
 
 def test_hopper_plans_the_mask_block_bits() -> None:
-    """On sm_90a a call with a mask runs the block-bits pre-pass first: precompiled too."""
+    """On sm_90a a call with a mask runs the block-bits pre-pass first, and a bf16 call with
+    a key bias the terms pre-pass: precompiled too."""
     patterns = precompile.call_patterns(["bf16"], [128])
     labels = [label for label, _ in precompile.variants("sm_90a", patterns)]
-    assert {label.split()[0] for label in labels} == {"fwd", "bits", "bwd_pre", "bwd"}
+    assert {label.split()[0] for label in labels} == {"fwd", "bits", "bwd_pre", "bwd", "terms"}
     assert all("mask" in label for label in labels if label.startswith("bits"))
 
 

@@ -27,7 +27,7 @@ from .block_bits_launch import (
 from .block_mask_launch import joint_block_bits, read_as_bits
 from .config import SHORT_QUERY_ROWS
 from .fwd import FwdScalars, FwdSpec
-from .key_bias_terms import key_bias_terms
+from .key_bias_terms import launch_terms, terms_spec
 from .launch import (
     dtype_name,
     kernel_layout,
@@ -150,6 +150,8 @@ class _FwdPlan(NamedTuple):
     bits_spec: BlockBitsSpec | None
     bits_view_shape: tuple[int, ...] | None
     bits_strides: tuple[int, ...] | None
+    # the pre-pass of a bias row read as terms of Q K^T (Sm90FwdTile.bias_terms), else None
+    terms_kernel: Any = None
 
 
 # Plans by (problem, arch, kernel family choice, mask layout, bias layout); cleared when full
@@ -183,7 +185,8 @@ def _plan(
         or mask.dtype in expiry_launch.EXPIRY_DTYPES
     ):
         # (an integer mask is an expiry or key ranges: its bits come from expiry_launch)
-        return _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None, None)
+        plan = _FwdPlan(spec, compiled(spec, arch), scalars, None, None, None, None, None)
+        return _with_terms(plan, bias, problem, arch)
     tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
     bits_spec = BlockBitsSpec(mask_spec, tile_m, tile_n)
     shape = block_bits_shape(mask, problem.seqlen_q, problem.seqlen_k, tile_m, tile_n)
@@ -192,7 +195,15 @@ def _plan(
     )
     kernel = compiled(spec, arch)
     bits_kernel = compiled(bits_spec, arch) if scans else None
-    return _FwdPlan(spec, kernel, scalars, bits_kernel, shape, bits_spec, view.shape, view.stride())
+    plan = _FwdPlan(spec, kernel, scalars, bits_kernel, shape, bits_spec, view.shape, view.stride())
+    return _with_terms(plan, bias, problem, arch)
+
+
+def _with_terms(plan: _FwdPlan, bias, problem: Problem, arch: str) -> _FwdPlan:
+    """The plan with the terms pre-pass of its bias row where the forward reads one."""
+    if not isinstance(plan.spec, Sm90FwdSpec) or not plan.spec.tile.bias_terms:
+        return plan
+    return plan._replace(terms_kernel=compiled(terms_spec(bias, problem.seqlen_k), arch))
 
 
 def _scan(plan: _FwdPlan, mask: torch.Tensor, problem: Problem) -> torch.Tensor:
@@ -360,9 +371,8 @@ def flash_fwd(
             f"block_table: page_size {k.shape[1]} is not a multiple of the key tile {tile_n}"
         )
     plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None, scans, paged)
-    if isinstance(plan.spec, Sm90FwdSpec) and plan.spec.tile.bias_terms:
-        # what the kernel reads in place of the bias
-        bias = key_bias_terms(bias, plan.scalars.bias_scale, arch, problem.seqlen_k)
+    if plan.terms_kernel is not None:  # what the kernel reads in place of the bias
+        bias = launch_terms(plan.terms_kernel, bias, plan.scalars.bias_scale, problem.seqlen_k)
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)

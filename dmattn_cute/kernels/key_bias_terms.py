@@ -162,10 +162,15 @@ def key_bias_terms(bias: torch.Tensor, bias_scale: float, arch: str, seqlen_k: i
     """The terms of a bias kernel view [Bm, Hm, 1, Km] for the forward: bf16 [Bm, Hm, Sk,
     TERMS] (Sk: Km, or seqlen_k where Km = 1), stride 0 on the bias's broadcast dims (each
     computed once)."""
-    spec = terms_spec(bias, seqlen_k)
+    return launch_terms(compiled(terms_spec(bias, seqlen_k), arch), bias, bias_scale, seqlen_k)
+
+
+def launch_terms(kernel, bias: torch.Tensor, bias_scale: float, seqlen_k: int) -> torch.Tensor:
+    """key_bias_terms by the compiled pre-pass of terms_spec(bias, seqlen_k) (the forward
+    launch's plan holds it)."""
     bias = terms_source(bias, seqlen_k)
     rows = [1 if bias.stride(d) == 0 else bias.shape[d] for d in (0, 1)]
     words = torch.empty((*rows, bias.shape[3], WORDS), dtype=torch.int32, device=bias.device)
-    compiled(spec, arch)(bias, words, bias_scale)
+    kernel(bias, words, bias_scale)
     terms = words.view(torch.bfloat16)
     return terms.expand(bias.shape[0], bias.shape[1], *terms.shape[2:])
