@@ -242,6 +242,33 @@ def test_block_mask_calls_launch_listed_variants(launches, monkeypatch) -> None:
         assert any(getattr(spec, "blocks_full", False) for spec in compiled), str(pattern)
 
 
+@pytest.mark.parametrize("operands", ["key-bias", "mask+key-bias", "expiry+key-bias"])
+def test_key_bias_calls_launch_listed_variants(launches, monkeypatch, operands) -> None:
+    """An eager forward + backward of each bf16 pattern with a key bias, run as on the GPU
+    (launches recorded on CPU tensors), compiles only variants precompile lists: on sm_90a
+    the forward that reads the bias row as terms of Q K^T and the terms pre-pass."""
+    from dmattn_cute import attention, flash_dmattn_func
+    from dmattn_cute.kernels.key_bias_terms import KeyBiasTermsSpec
+
+    monkeypatch.setattr(attention, "eager_cuda", lambda q: True)
+    patterns = [p for p in precompile.call_patterns(["bf16"], [128]) if p.operands == operands]
+    for pattern in patterns:
+        q, k, v, mask, bias = (
+            t if t is None else t.requires_grad_(t.is_floating_point())
+            for t in pattern.inputs("cpu")
+        )
+        launches["compiled"].clear()
+        masks = {}  # an int32 "mask" is a key expiry (precompile.planned_kernels)
+        if mask is not None:
+            masks = {"key_expiry" if mask.dtype == torch.int32 else "attn_mask": mask}
+        out = flash_dmattn_func(q, k, v, attn_bias=bias, **masks, **pattern.options())
+        out.sum().backward()
+        compiled = set(launches["compiled"])
+        listed = {spec for _, spec in precompile.variants("sm_90a", [pattern])}
+        assert compiled and compiled <= listed, str(pattern)
+        assert any(isinstance(spec, KeyBiasTermsSpec) for spec in compiled), str(pattern)
+
+
 def test_list_and_bad_arguments(tmp_path: Path, capsys) -> None:
     assert (
         precompile.main(["--arch", "sm_86", "--head-dims", "96", "--dtypes", "fp16", "--list"]) == 0
