@@ -16,12 +16,14 @@ end of the current one). Three warpgroups:
   smem stages, and the bias tile too when its rows allow (16-bit, 16-byte aligned:
   Sm90FwdSpec's `bias.tma_tiles`; a query-broadcast bias as one row of the block's keys,
   which spares the producer's cp.async pipeline, and which warp 1 converts to fp32 in log2
-  units once per block where the copy fits: convert_row); all four warps load the mask
+  units once per block where the copy fits: convert_row; or, bias_terms, the block's terms
+  of the row with its K: kernels/key_bias_terms.py); all four warps load the mask
   tile, and a bias TMA cannot read, with predicated cp.async (any view: broadcast dims, odd
   strides, key tails zero-filled), each thread arriving on the stage's mbarrier when its
   copies land. A block's bias and mask go before its K and V.
 - two consumers (64 query rows each): S = bias / scale + Q K^T by wgmma from smem (a
-  query-broadcast bias added after the GEMM), softcap / mask / causal-window limits, the
+  query-broadcast bias added after the GEMM, or by one more k-step of it: its terms against
+  a tile of ones), softcap / mask / causal-window limits, the
   online softmax, O += P V by wgmma with P from registers.
   The next block's Q K^T is issued before the previous block's P V (so the softmax of one
   block runs under the GEMMs of its neighbours), and with head dims up to 128 the two
@@ -45,6 +47,9 @@ Shared memory and the order that protects it:
   the TMA store. A persistent CTA refills it per item: the consumers release Q's stage after
   their item's last Q K^T has completed, and O goes through its own buffer sO, which the
   consumers write after the storing warp has waited for the previous TMA store's reads.
+- ones (bias_terms): 1 in columns 0-2 of a (tile_m, 16) tile, written by every thread
+  before the CTA-wide barrier (with a proxy fence: wgmma reads it through the async proxy),
+  read-only afterwards; the terms stages ride K's: same stage, barrier and release.
 - sK, sV, mask, bias stages: filled by the producer after the stage's empty barrier, read by
   the consumers after its full barrier, released (empty barrier) once the wgmma reading K or
   V has completed and, for mask/bias, once the scores have read them. cp.async mask/bias
