@@ -181,12 +181,13 @@ def test_our_variants_are_what_the_runs_launch(monkeypatch: pytest.MonkeyPatch) 
         _small("topk", 0.25),
     )
     # with a mask, the Hopper forward and backward first run the block-bits pre-pass (each
-    # for its own tiles, and the eager training path one for both)
+    # for its own tiles, and the eager training path one for both); the forward's bf16 key
+    # bias, the terms pre-pass
     fwd_only = run.our_variants([(dense, "fwd")], "cpu", "sm_90a")
-    assert [label.split()[0] for label, _ in fwd_only] == ["fwd", "bits"]
+    assert [label.split()[0] for label, _ in fwd_only] == ["fwd", "terms", "bits"]
     both = run.our_variants([(dense, "fwd"), (dense, "fwdbwd")], "cpu", "sm_90a")
     kinds = [label.split()[0] for label, _ in both]
-    assert kinds == ["fwd", "bits", "bwd_pre", "bwd", "bits", "bits"]
+    assert kinds == ["fwd", "terms", "bits", "bwd_pre", "bwd", "bits", "bits"]
     assert both[0][1] == fwd_only[0][1]
     # The causal flag and the operands make other kernels; the mask's contents do not.
     more = run.our_variants(

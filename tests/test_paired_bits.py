@@ -10,6 +10,7 @@ import torch
 
 from dmattn_cute.kernels import bwd_launch, fwd_launch
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
+from dmattn_cute.kernels.key_bias_terms import KeyBiasTermsSpec
 from dmattn_cute.kernels.paired_bits import paired_bits
 from dmattn_cute.kernels.sm90.bwd import Sm90BwdSpec
 from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
@@ -31,9 +32,10 @@ def test_one_pre_pass_serves_both_kernels(launches) -> None:
     )
     kinds = [type(spec) for spec, _ in launches["calls"]]
     # one pre-pass (at the backward's 64-row tiles, writing the forward's 128-row bits too),
-    # the forward, the preprocess, the backward
+    # the bias row's terms, the forward, the preprocess, the backward
     assert kinds.count(BlockBitsSpec) == 1 and kinds[0] is BlockBitsSpec
-    (bits_spec, bits_args), (fwd_spec, fwd_args) = launches["calls"][0], launches["calls"][1]
+    assert kinds[1] is KeyBiasTermsSpec
+    (bits_spec, bits_args), (fwd_spec, fwd_args) = launches["calls"][0], launches["calls"][2]
     bwd_spec, bwd_args = launches["calls"][-1]
     assert isinstance(fwd_spec, Sm90FwdSpec) and isinstance(bwd_spec, Sm90BwdSpec)
     assert (bits_spec.tile_m, bits_spec.tile_n) == (bwd_spec.tile.tile_m, bwd_spec.tile.tile_n)
@@ -117,12 +119,14 @@ def test_an_unrecorded_call_runs_the_forward_alone(launches) -> None:
     with torch.no_grad():
         out, _ = eager_attention(problem, q, k, v, mask, bias, None, None)
     assert out.grad_fn is None
-    (bits_spec, _), (fwd_spec, _) = launches["calls"]
+    # (the bias row's terms pre-pass first)
+    (terms_spec, _), (bits_spec, _), (fwd_spec, _) = launches["calls"]
     assert isinstance(bits_spec, BlockBitsSpec) and isinstance(fwd_spec, Sm90FwdSpec)
+    assert isinstance(terms_spec, KeyBiasTermsSpec)
     assert (bits_spec.tile_m, bits_spec.tile_n) == (fwd_spec.tile.tile_m, fwd_spec.tile.tile_n)
 
     launches["calls"].clear()
     out, _ = eager_attention(problem, q, k, v, mask, bias, None, None)
     assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
-    (bits_spec, _), (fwd_spec, _) = launches["calls"]
+    (bits_spec, _), _, (fwd_spec, _) = launches["calls"]
     assert bits_spec.tile_m < fwd_spec.tile.tile_m  # the backward's 64-row tiles

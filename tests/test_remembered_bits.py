@@ -12,6 +12,7 @@ import torch
 from dmattn_cute.kernels import bwd_launch, fwd_launch
 from dmattn_cute.kernels.block_bits import BlockBitsSpec
 from dmattn_cute.kernels.paired_bits import paired_bits
+from dmattn_cute.kernels.sm90.fwd import Sm90FwdSpec
 from dmattn_cute.problem import make_problem
 from dmattn_cute.reference import attention_ref
 from tests.utils import check_close, random_inputs
@@ -47,7 +48,7 @@ def test_forwards_of_one_mask_scan_it_once(launches) -> None:
     for _ in range(3):
         _forward(q, k, v, mask, bias)
     ((_, view, bits),) = _scans(launches)
-    forwards = [a for s, a in launches["calls"] if not isinstance(s, BlockBitsSpec)]
+    forwards = [a for s, a in launches["calls"] if isinstance(s, Sm90FwdSpec)]
     assert len(forwards) == 3
     assert all(a[8].data_ptr() == bits.data_ptr() for a in forwards)  # the one scan's bits
     assert view.data_ptr() == mask.data_ptr()  # read in place
