@@ -4,10 +4,10 @@ forward's Q K^T.
 For every key, bias * (1 / scale) rounded toward zero (as Scores rounds a bias: a finfo.min
 bias stays finite) is split into three bf16 terms whose sum is that fp32 value to within
 2^-21 of it (relative): hi and mid are its leading bits truncated to bf16 (truncation never
-overflows), lo the rest, also truncated. The forward multiplies a (tile_m, 16) tile of ones in columns
-0-2 (and zeros) by the (tile_n, 16) tile of a key block's terms, one wgmma k-step added to
-Q K^T, so S = Q K^T + bias / scale comes out of the GEMM and no consumer thread adds the bias
-(FlashFwdSm90's bias_terms). An infinite bias is hi alone (mid = lo = 0): -inf masks its key.
+overflows), lo the rest, also truncated. The forward multiplies a (tile_m, 16) tile of ones
+in columns 0-2 (and zeros) by the (tile_n, 16) tile of a key block's terms, one wgmma k-step
+added to Q K^T, so S = Q K^T + bias / scale comes out of the GEMM and no consumer thread adds
+the bias (FlashFwdSm90's bias_terms). An infinite bias is hi alone (mid = lo = 0): -inf masks its key.
 
 terms[bt, ht, key, 0:16] (bf16, written as 8 int32 words: word 0 = hi | mid << 16, word 1 =
 lo, the rest 0), with Bt, Ht 1 on the bias's broadcast dims.
