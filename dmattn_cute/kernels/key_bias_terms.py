@@ -7,7 +7,8 @@ bias stays finite) is split into three bf16 terms whose sum is that fp32 value t
 overflows), lo the rest, also truncated. The forward multiplies a (tile_m, 16) tile of ones
 in columns 0-2 (and zeros) by the (tile_n, 16) tile of a key block's terms, one wgmma k-step
 added to Q K^T, so S = Q K^T + bias / scale comes out of the GEMM and no consumer thread adds
-the bias (FlashFwdSm90's bias_terms). An infinite bias is hi alone (mid = lo = 0): -inf masks its key.
+the bias (FlashFwdSm90's bias_terms). An infinite bias is hi alone (mid = lo = 0): -inf
+masks its key.
 
 terms[bt, ht, key, 0:16] (bf16, written as 8 int32 words: word 0 = hi | mid << 16, word 1 =
 lo, the rest 0), with Bt, Ht 1 on the bias's broadcast dims.
