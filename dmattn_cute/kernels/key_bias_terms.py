@@ -27,7 +27,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..jit.arch import compile_options, dependent_launch
 from ..jit.cache import compiled
-from .spec import OperandSpec, env_stream, fake_tensor
+from .launch import operand_spec
+from .spec import OperandSpec, dtype_bytes, env_stream, fake_tensor
 from .utils import mul_rz
 
 NUM_THREADS = 128
@@ -58,39 +59,26 @@ class KeyBiasTermsSpec:
         )  # fmt: skip
 
 
-def terms_fake(bias: OperandSpec):
-    """The terms tensor as the kernels that read it see it offline: int32 words [Bt, Ht, Sk,
-    WORDS] (the forward reads the same memory as bf16 [.., TERMS]), stride 0 where the bias
+def terms_fake(bias: OperandSpec, dtype: str = "i32"):
+    """The terms tensor as the kernels that read it see it offline: [Bt, Ht, Sk, 32 bytes] of
+    `dtype` (the pre-pass writes int32 words, the forward reads bf16), stride 0 where the bias
     broadcasts, 32-byte rows."""
     kinds = tuple("0" if bias.strides[d] == "0" else "d" for d in (0, 1))
-    return fake_tensor("i32", (*kinds, "d", "1"), 16, WORDS)
+    return fake_tensor(dtype, (*kinds, "d", "1"), 16, 32 // dtype_bytes(dtype))
 
 
 @dsl_user_op
-def _bits(a: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
-    """The bits of an fp32."""
-    return cutlass.Int32(
+def _reinterpret(a, to: type, *, loc=None, ip=None):
+    """The 32 bits of `a` as `to`: cutlass.Int32 (from an fp32) or cutlass.Float32 (from an
+    int32)."""
+    to_int = to is cutlass.Int32
+    value = (cutlass.Float32 if to_int else cutlass.Int32)(a).ir_value(loc=loc, ip=ip)
+    return to(
         llvm.inline_asm(
-            T.i32(),
-            [cutlass.Float32(a).ir_value(loc=loc, ip=ip)],
+            T.i32() if to_int else T.f32(),
+            [value],
             "mov.b32 $0, $1;",
-            "=r,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def _float(a: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
-    """The fp32 of these bits."""
-    return cutlass.Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [cutlass.Int32(a).ir_value(loc=loc, ip=ip)],
-            "mov.b32 $0, $1;",
-            "=f,r",
+            "=r,f" if to_int else "=f,r",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -131,12 +119,12 @@ class KeyBiasTerms:
         key = n * NUM_THREADS + tidx
         if key < mTerms.shape[2]:
             value = mul_rz(cutlass.Float32(mBias[b, h, 0, key]), bias_scale)
-            hi = _bits(value) & _HIGH
-            rest = value - _float(hi)
+            hi = _reinterpret(value, cutlass.Int32) & _HIGH
+            rest = value - _reinterpret(hi, cutlass.Float32)
             if rest != rest:  # noqa: PLR0124 (an infinity, or NaN, is hi alone)
                 rest = cutlass.Float32(0.0)
-            mid = _bits(rest) & _HIGH
-            lo = _bits(rest - _float(mid)) & _HIGH
+            mid = _reinterpret(rest, cutlass.Int32) & _HIGH
+            lo = _reinterpret(rest - _reinterpret(mid, cutlass.Float32), cutlass.Int32) & _HIGH
             row = cute.make_rmem_tensor((WORDS,), cutlass.Int32)
             row.fill(0)
             row[0] = ((hi >> 16) & 0xFFFF) | mid
@@ -153,8 +141,6 @@ def terms_source(bias: torch.Tensor, seqlen_k: int) -> torch.Tensor:
 
 def terms_spec(bias: torch.Tensor, seqlen_k: int) -> KeyBiasTermsSpec:
     """The variant for a bias kernel view [Bm, Hm, 1, Km] (launch.operand_view)."""
-    from .launch import operand_spec
-
     source = terms_source(bias, seqlen_k)
     return KeyBiasTermsSpec(operand_spec(source, source.shape[3]))
 

@@ -82,7 +82,7 @@ from ..config import (
     smem_total,
 )
 from ..fwd import FwdScalars
-from ..key_bias_terms import TERMS
+from ..key_bias_terms import TERMS, terms_fake
 from ..masking import FULL, VISIBLE
 from ..scores import Scores
 from ..softmax import OnlineSoftmax
@@ -221,9 +221,8 @@ class Sm90FwdSpec:
         lse = fake_tensor("fp32", ("d", "d", "1"), 4)
         stats = fake_tensor("fp32", ("d", "d", "d", "1"), 4)
         mask, bias = (None if op is None else op.fake() for op in (self.mask, self.bias))
-        if self.tile.bias_terms:  # the bias's terms (bf16 words of key_bias_terms)
-            kinds = tuple("0" if self.bias.strides[d] == "0" else "d" for d in (0, 1))
-            bias = fake_tensor("bf16", (*kinds, "d", "1"), 16, TERMS)
+        if self.tile.bias_terms:  # the bias's terms (key_bias_terms)
+            bias = terms_fake(self.bias, "bf16")
         bits = None if self.mask is None else fake_tensor("u8", ("d", "d", "d", "1"), 1)
         order = None
         if self.persistent:  # [CTAs, items per CTA, 4]
@@ -373,19 +372,18 @@ class FlashFwdSm90:
         # The bias by TMA: (Sq, Sk[, heads][, batch]), its broadcast (stride-0) dims left out.
         # A query-broadcast bias: one row per block, (Sk[, heads][, batch]), a box of tn keys.
         tma_bias = tBias = sBias_layout = None
-        if cutlass.const_expr(self.bias_terms):
-            # (Sk, TERMS[, heads][, batch]): a box of tn keys' terms per block, as K's
-            kept = [2, 3] + [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
+        if cutlass.const_expr(self.bias_terms or self.bias_tma):
+            # the (key) row's or (query, key) tile's modes, then heads and batch where the bias
+            # has them (terms: (Sk, TERMS[, heads][, batch]), a block's box as K's)
+            kept = [3] if self.bias_row else [2, 3]
+            kept += [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
             view = cute.make_tensor(mBias.iterator, cute.select(mBias.layout, mode=kept))
-            sBias_layout = smem_layout(self.dtype, tn, TERMS, st)
-            tma_bias, tBias = cpasync.make_tiled_tma_atom(
-                load, view, cute.select(sBias_layout, mode=[0, 1]), (tn, TERMS), 1
-            )
-        if cutlass.const_expr(self.bias_tma):
-            rows = [] if self.bias_row else [2]
-            kept = rows + [3] + [d for d in (1, 0) if self.spec.bias.strides[d] != "0"]
-            view = cute.make_tensor(mBias.iterator, cute.select(mBias.layout, mode=kept))
-            if cutlass.const_expr(self.bias_row):
+            if cutlass.const_expr(self.bias_terms):
+                sBias_layout = smem_layout(self.dtype, tn, TERMS, st)
+                tma_bias, tBias = cpasync.make_tiled_tma_atom(
+                    load, view, cute.select(sBias_layout, mode=[0, 1]), (tn, TERMS), 1
+                )
+            elif cutlass.const_expr(self.bias_row):
                 tma_bias, tBias = cpasync.make_tiled_tma_atom(
                     load, view, cute.make_layout(tn), (tn,), 1
                 )
@@ -870,25 +868,18 @@ class FlashFwdSm90:
         if cutlass.const_expr(spec.paged):
             page_blocks = cutlass.Int32(tK.shape[0] // tn)
         tBsB = tBgB = None
-        if cutlass.const_expr(self.bias_terms):  # (sBias: the terms stages)
-            coord = [None, None] + [
-                x for d, x in ((1, h // bias_head_div), (0, b_op)) if spec.bias.strides[d] != "0"
-            ]
-            gB = cute.local_tile(tBias[tuple(coord)], (tn, TERMS), (None, 0))
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_bias, 0, cute.make_layout(1), cute.group_modes(sBias, 0, 2),
-                cute.group_modes(gB, 0, 2),
-            )  # fmt: skip
-        if cutlass.const_expr(self.bias_tma):
+        if cutlass.const_expr(self.bias_terms or self.bias_tma):  # (terms: sBias's stages)
             coord = [None] * (1 if self.bias_row else 2) + [
                 x for d, x in ((1, h // bias_head_div), (0, b_op)) if spec.bias.strides[d] != "0"
             ]
-            if cutlass.const_expr(self.bias_row):
+            modes = 2
+            if cutlass.const_expr(self.bias_terms):
+                gB = cute.local_tile(tBias[tuple(coord)], (tn, TERMS), (None, 0))
+            elif cutlass.const_expr(self.bias_row):
                 gB = cute.local_tile(tBias[tuple(coord)], (tn,), (None,))
                 modes = 1
             else:
                 gB = cute.local_tile(tBias[tuple(coord)], (tm, tn), (m_block, None))
-                modes = 2
             tBsB, tBgB = cpasync.tma_partition(
                 tma_bias, 0, cute.make_layout(1), cute.group_modes(sBias, 0, modes),
                 cute.group_modes(gB, 0, modes),
