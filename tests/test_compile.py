@@ -259,12 +259,13 @@ def test_hopper_key_bias_terms_compile() -> None:
     """A bf16 forward with a [B, Hkv, 1, Sk] bias and no softcap reads the row as terms of
     Q K^T (kernels/key_bias_terms.py): their stages (16 bf16 per key) and the ones tile in
     smem, no bias row stages; the terms by TMA ((Sk, 16, heads, batch): 4-D) on K's barrier;
-    one more wgmma k-step per Q K^T (9 at head dim 128, against 8 without a bias); the
-    unmasked register split. With a mask too, where the stages fit; a decode-sized call, a
-    softcap or fp16 keep the row."""
+    one more wgmma k-step per Q K^T (9 at head dim 128, against 8 without a bias); without a
+    mask the walk twice, with the bounded and the exact softmax, chosen by the moderate flags;
+    the unmasked register split. With a mask too (one walk per form of its own, no flags),
+    where the stages fit; a decode-sized call, a softcap or fp16 keep the row."""
     spec = fwd_spec_for("sm_90a", 128, "bf16", None, ROW_BIAS, False, False)
     tile = spec.tile
-    assert tile.bias_terms and not tile.row_f32 and spec.persistent
+    assert tile.bias_terms and not tile.row_f32 and spec.persistent and spec.moderate_rows
     buffers = {b.name: b.bytes for b in spec.smem_buffers()}
     assert buffers["bias"] == tile.stages * tile.tile_n * 16 * 2
     assert buffers["ones"] == tile.tile_m * 16 * 2 and "bias_f32" not in buffers
@@ -273,11 +274,15 @@ def test_hopper_key_bias_terms_compile() -> None:
     assert set(re.findall(r"cp\.async\.bulk\.tensor\.\dd", ptx)) == {"cp.async.bulk.tensor.4d"}
     plain = fwd_ptx("sm_90a", fwd_spec_for("sm_90a", 128, "bf16", None, None, False, False))
     wgmmas = [len(re.findall(r"wgmma\.mma_async", text)) for text in (ptx, plain)]
-    assert wgmmas[0] - wgmmas[1] == 2  # one k-step more in each of the two Q K^T sites
+    # two walks, each with one k-step more in its two Q K^T sites
+    assert wgmmas[0] == 2 * (wgmmas[1] + 2)
+    assert len(re.findall(r"vote\.sync\.all\.pred", ptx)) > len(
+        re.findall(r"vote\.sync\.all\.pred", plain)
+    )  # the flags' vote (and the exact walk's per-block one)
     found = set(re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", ptx))
     assert found == {("dec", "24"), ("inc", "240")}
     masked = fwd_spec_for("sm_90a", 128, "bf16", FULL_MASK, ROW_BIAS, False, False)
-    assert masked.tile.bias_terms
+    assert masked.tile.bias_terms and not masked.moderate_rows
     assert fwd_spec_for("sm_90a", 64, "bf16", None, ROW_BIAS, False, False).tile.tile_m == 192
     for dtype, softcap in (("fp16", False), ("bf16", True)):
         kept = fwd_spec_for("sm_90a", 128, dtype, None, ROW_BIAS, False, softcap)
@@ -290,7 +295,8 @@ def test_hopper_key_bias_terms_compile() -> None:
 
 def test_key_bias_terms_compile() -> None:
     """The terms pre-pass compiles offline for any bias dtype and stride pattern, with 16-byte
-    stores of each key's row and (sm_90a) the dependent launch of the forward after it."""
+    stores of each key's row, a warp vote and one byte stored for the moderate flag of its 32
+    keys, and (sm_90a) the dependent launch of the forward after it."""
     for dtype, strides, vec in (
         ("bf16", ("d", "d", "0", "1"), 8),
         ("fp32", ("0", "d", "0", "d"), 1),
@@ -299,6 +305,7 @@ def test_key_bias_terms_compile() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             ptx = spec.compile("sm_90a", f"--keep-ptx --dump-dir {tmp}").artifacts.PTX
         assert ptx.count("st.global.v4.b32") == 2
+        assert "vote.sync.all.pred" in ptx and "st.global.b8" in ptx
         assert "griddepcontrol.launch_dependents" in ptx
 
 

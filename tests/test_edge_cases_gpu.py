@@ -238,6 +238,33 @@ def test_finfo_min_row_bias(dtype, bias_dtype):
     grads_and_check(q, k, v, mask, bias)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_moderate_and_immoderate_key_bias_rows(head_dim):
+    """A bf16 forward with a key bias [B, H, 1, Sk] and no mask: the Hopper kernel takes the
+    bias as terms of Q K^T and walks an item whose keys' biases are all moderate (-inf or
+    |bias| <= 709: the terms' flags) with the bounded softmax, any other with the exact one.
+    In one launch: a row with a -1e4 stretch, a row offset by -5000, a row of finfo.min (where
+    the bounded form's shift max * scale_log2 rounds by far more than 1: wrong flags fail
+    here) and a moderate row; D64 walks per CTA, D128 in persistent CTAs."""
+    b, h, sq, sk = 2, 2, 300, 1000
+    q, k, v, _, bias = random_inputs(
+        b, sq, sk, h, h, head_dim, torch.bfloat16, "cuda", bias_shape=(b, h, 1, sk),
+        bias_dtype=torch.float32,
+    )  # fmt: skip
+    bias[0, 0, :, 100:300] = -1e4
+    bias[0, 1] -= 5000
+    bias[1, 0] = torch.finfo(torch.float32).min
+    out, lse = flash_dmattn_func(q, k, v, None, bias, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, None, bias)
+    lowp, lowp_lse = attention_ref(q, k, v, None, bias, compute_dtype=None)
+    check_close("out", out, ref, lowp, torch.bfloat16)
+    rows = torch.ones(b, h, dtype=torch.bool, device="cuda")
+    rows[1, 0] = False  # (its lse: huge and finite, clamped in float32)
+    check_close("lse", lse[rows], ref_lse[rows], lowp_lse.float()[rows], torch.bfloat16)
+    assert bool(lse[1, 0].isfinite().all()) and bool((lse[1, 0] < -1e30).all())
+    grads_and_check(q, k, v, None, bias)
+
+
 def ulp_f32(x: float) -> float:
     """The float32 spacing at x."""
     return ulp(torch.tensor([x], dtype=torch.float64), torch.float32).item()

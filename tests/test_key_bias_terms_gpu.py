@@ -1,6 +1,7 @@
 """The key bias terms pre-pass (kernels/key_bias_terms.py) against float64: three bf16 terms per
 key whose sum is bias * (1 / scale) rounded toward zero, infinities alone in the first term,
-finfo.min exact; any bias dtype, broadcast dims and unaligned key rows."""
+finfo.min exact, and a moderate flag per 32 keys; any bias dtype, broadcast dims and unaligned
+key rows."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from dmattn_cute.jit.arch import target_arch
-from dmattn_cute.kernels.key_bias_terms import TERMS, key_bias_terms
+from dmattn_cute.kernels.key_bias_terms import MODERATE_BIAS, TERMS, key_bias_terms
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ def test_terms_sum_to_the_scaled_bias(bias_dtype, layout):
     bias = base[..., 1:] if layout == "unaligned_keys" else base
     bias = bias.expand(b, h, 1, sk)
     bias = bias.as_strided(bias.shape, (*bias.stride()[:2], 0, 1))  # as broadcast_view makes it
-    terms = key_bias_terms(bias, 1 / scale, target_arch(bias.device), sk)
+    terms, flags = key_bias_terms(bias, 1 / scale, target_arch(bias.device), sk)
     assert terms.dtype == torch.bfloat16 and tuple(terms.shape) == (b, h, sk, TERMS)
     if layout == "batch_broadcast":
         assert terms.stride(0) == 0
@@ -56,3 +57,12 @@ def test_terms_sum_to_the_scaled_bias(bias_dtype, layout):
     for key, inf in ((-4, -math.inf), (-3, math.inf)):
         assert bool((hi[..., key] == inf).all())
         assert bool((mid[..., key] == 0).all()) and bool((lo[..., key] == 0).all())
+    # flags: byte g is 1 where keys 32 g .. 32 g + 31 are all -inf or within MODERATE_BIAS
+    words = -(-sk // 128)
+    assert flags.dtype == torch.int32 and tuple(flags.shape) == (b, h, words)
+    values = bias[:, :, 0].float()
+    moderate = (values == -math.inf) | (values.abs() <= MODERATE_BIAS)
+    moderate = torch.nn.functional.pad(moderate, (0, 128 * words - sk), value=True)
+    want_flags = moderate.view(b, h, 4 * words, 32).all(-1).to(torch.uint8)
+    assert 0 < int(want_flags.sum()) < want_flags.numel()  # both kinds of group
+    assert torch.equal(flags.contiguous().view(torch.uint8), want_flags)

@@ -371,12 +371,17 @@ def flash_fwd(
             f"block_table: page_size {k.shape[1]} is not a multiple of the key tile {tile_n}"
         )
     plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None, scans, paged)
+    moderate = None  # the terms' moderate flags, where the kernel reads them
     if plan.terms_kernel is not None:  # what the kernel reads in place of the bias
-        bias = launch_terms(plan.terms_kernel, bias, plan.scalars.bias_scale, problem.seqlen_k)
+        bias, moderate = launch_terms(
+            plan.terms_kernel, bias, plan.scalars.bias_scale, problem.seqlen_k
+        )
+        if not plan.spec.moderate_rows:
+            moderate = None
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, None, None, *plan.scalars)
+        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, None, None, None, *plan.scalars)
     elif plan.bits_shape is not None:
         if bits is not None:
             if blocks is not None or tuple(bits.shape) != plan.bits_shape:
@@ -401,7 +406,9 @@ def flash_fwd(
                 blocks, from_blocks, problem, tile_m, tile_n,
                 _section_heads(spec, problem, problem.batch), ctas,
             )  # fmt: skip
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, bits, order, block_table, *plan.scalars)
+        plan.kernel(
+            q, k, v, out, lse, stats, mask, bias, bits, order, block_table, None, *plan.scalars
+        )  # fmt: skip
     elif isinstance(plan.spec, Sm90FwdSpec):
         items = None
         spec = plan.spec
@@ -410,7 +417,10 @@ def flash_fwd(
                 problem, spec.tile.tile_m, spec.tile.tile_n, out.shape[0],
                 _section_heads(spec, problem, out.shape[0]), sm_count(q.device, arch), q.device,
             )  # fmt: skip
-        plan.kernel(q, k, v, out, lse, stats, mask, bias, None, items, block_table, *plan.scalars)
+        plan.kernel(
+            q, k, v, out, lse, stats, mask, bias, None, items, block_table, moderate,
+            *plan.scalars,
+        )  # fmt: skip
     else:
         plan.kernel(q, k, v, out, lse, stats, mask, bias, *plan.scalars)
     return out, lse, stats

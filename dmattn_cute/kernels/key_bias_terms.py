@@ -12,6 +12,12 @@ masks its key.
 
 terms[bt, ht, key, 0:16] (bf16, written as 8 int32 words: word 0 = hi | mid << 16, word 1 =
 lo, the rest 0), with Bt, Ht 1 on the bias's broadcast dims.
+
+The pre-pass also flags every 32 keys whose biases are all moderate (MODERATE_BIAS: -inf or
+|bias| <= 709, so |bias * log2 e| <= 1024) with a byte 1 (else 0), four to an int32 word per
+128 keys (MODERATE_WORD where all four are set): a forward whose item reads only flagged keys
+takes the bounded softmax (as without a bias: one FMA per score), and the exact one (the max
+subtracted before scaling) otherwise, e.g. over a finfo.min padding bias.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from .launch import operand_spec
 from .spec import OperandSpec, dtype_bytes, env_stream, fake_tensor
 from .utils import mul_rz
 
-NUM_THREADS = 128
+NUM_THREADS = 128  # keys per CTA: one flags word
 TERMS = 16  # columns of a terms row: one k16 step of the GEMM
 WORDS = TERMS // 2
+MODERATE_BIAS = 709.0  # the largest |bias| flagged moderate: |bias * log2 e| <= 1024
+MODERATE_WORD = 0x01010101  # a flags word whose 128 keys are all moderate
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,8 @@ class KeyBiasTermsSpec:
 
     def example_args(self) -> list:
         """KeyBiasTerms's arguments for an offline compile."""
-        return [self.bias.fake(), terms_fake(self.bias), 1.0, env_stream()]
+        flags = fake_tensor("u8", ("d", "d", "1"), 4, 4)  # written one byte per 32 keys
+        return [self.bias.fake(), terms_fake(self.bias), flags, 1.0, env_stream()]
 
     def compile(self, arch: str, extra_options: str = ""):
         """cute.compile of this variant for `arch` (no GPU needed)."""
@@ -65,6 +74,13 @@ def terms_fake(bias: OperandSpec, dtype: str = "i32"):
     broadcasts, 32-byte rows."""
     kinds = tuple("0" if bias.strides[d] == "0" else "d" for d in (0, 1))
     return fake_tensor(dtype, (*kinds, "d", "1"), 16, 32 // dtype_bytes(dtype))
+
+
+def moderate_fake(bias: OperandSpec):
+    """The moderate flags as the forward reads them offline: int32 words [Bt, Ht, Sk / 128]
+    (rounded up), stride 0 where the bias broadcasts."""
+    kinds = tuple("0" if bias.strides[d] == "0" else "d" for d in (0, 1))
+    return fake_tensor("i32", (*kinds, "1"), 4)
 
 
 @dsl_user_op
@@ -91,8 +107,9 @@ _HIGH = -65536  # 0xFFFF0000: the bits of an fp32 that a bf16 keeps
 
 class KeyBiasTerms:
     """One thread per key (CTAs of NUM_THREADS keys, per bias batch x head): one load, the
-    split, one 32-byte row stored. On Hopper (`dependent`) the forward after it may launch at
-    once: it waits in griddepcontrol before reading gmem."""
+    split, one 32-byte row stored; each warp's vote on its 32 keys, one flag byte. On Hopper
+    (`dependent`) the forward after it may launch at once: it waits in griddepcontrol before
+    reading gmem."""
 
     def __init__(self, dependent: bool) -> None:
         self.dependent = dependent
@@ -102,23 +119,32 @@ class KeyBiasTerms:
         self,
         mBias: cute.Tensor,  # [Bm, Hm, 1, Sk]
         mTerms: cute.Tensor,  # [Bt, Ht, Sk, WORDS] int32
+        mFlags: cute.Tensor,  # [Bt, Ht, 4 x ceil(Sk / 128)] uint8
         bias_scale: cutlass.Float32,
         stream: cuda.CUstream,
     ):
         grid = (cute.ceil_div(mTerms.shape[2], NUM_THREADS), mTerms.shape[1], mTerms.shape[0])
-        self.kernel(mBias, mTerms, bias_scale).launch(
+        self.kernel(mBias, mTerms, mFlags, bias_scale).launch(
             grid=grid, block=[NUM_THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mBias: cute.Tensor, mTerms: cute.Tensor, bias_scale: cutlass.Float32):
+    def kernel(
+        self, mBias: cute.Tensor, mTerms: cute.Tensor, mFlags: cute.Tensor,
+        bias_scale: cutlass.Float32,
+    ):  # fmt: skip
         if cutlass.const_expr(self.dependent):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         n, h, b = cute.arch.block_idx()
         key = n * NUM_THREADS + tidx
+        moderate = cutlass.Boolean(True)  # (keys past Sk too: their flags pad the last word)
         if key < mTerms.shape[2]:
-            value = mul_rz(cutlass.Float32(mBias[b, h, 0, key]), bias_scale)
+            bias = cutlass.Float32(mBias[b, h, 0, key])
+            moderate = (bias == -cutlass.Float32.inf) | (
+                (bias <= MODERATE_BIAS) & (bias >= -MODERATE_BIAS)
+            )
+            value = mul_rz(bias, bias_scale)
             hi = _reinterpret(value, cutlass.Int32) & _HIGH
             rest = value - _reinterpret(hi, cutlass.Float32)
             if rest != rest:  # noqa: PLR0124 (an infinity, or NaN, is hi alone)
@@ -131,6 +157,9 @@ class KeyBiasTerms:
             row[1] = (lo >> 16) & 0xFFFF
             words = mTerms[b, h, key, None].iterator  # 32-byte aligned: two 16-byte stores
             cute.autovec_copy(row, cute.make_tensor(words, cute.make_layout(WORDS)))
+        flag = cutlass.Uint8(1) if cute.arch.vote_all_sync(moderate) else cutlass.Uint8(0)
+        if cute.arch.lane_idx() == 0:
+            mFlags[b, h, tidx // 32 + n * (NUM_THREADS // 32)] = flag
 
 
 def terms_source(bias: torch.Tensor, seqlen_k: int) -> torch.Tensor:
@@ -145,19 +174,27 @@ def terms_spec(bias: torch.Tensor, seqlen_k: int) -> KeyBiasTermsSpec:
     return KeyBiasTermsSpec(operand_spec(source, source.shape[3]))
 
 
-def key_bias_terms(bias: torch.Tensor, bias_scale: float, arch: str, seqlen_k: int) -> torch.Tensor:
-    """The terms of a bias kernel view [Bm, Hm, 1, Km] for the forward: bf16 [Bm, Hm, Sk,
-    TERMS] (Sk: Km, or seqlen_k where Km = 1), stride 0 on the bias's broadcast dims (each
-    computed once)."""
+def key_bias_terms(
+    bias: torch.Tensor, bias_scale: float, arch: str, seqlen_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The terms and moderate flags of a bias kernel view [Bm, Hm, 1, Km] for the forward:
+    bf16 [Bm, Hm, Sk, TERMS] (Sk: Km, or seqlen_k where Km = 1) and int32 [Bm, Hm, Sk / 128
+    rounded up] (byte i of word w: keys 128 w + 32 i .. + 31, 1 where all are moderate; bytes
+    past Sk 1), stride 0 on the bias's broadcast dims (each computed once)."""
     return launch_terms(compiled(terms_spec(bias, seqlen_k), arch), bias, bias_scale, seqlen_k)
 
 
-def launch_terms(kernel, bias: torch.Tensor, bias_scale: float, seqlen_k: int) -> torch.Tensor:
+def launch_terms(
+    kernel, bias: torch.Tensor, bias_scale: float, seqlen_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """key_bias_terms by the compiled pre-pass of terms_spec(bias, seqlen_k) (the forward
     launch's plan holds it)."""
     bias = terms_source(bias, seqlen_k)
     rows = [1 if bias.stride(d) == 0 else bias.shape[d] for d in (0, 1)]
-    words = torch.empty((*rows, bias.shape[3], WORDS), dtype=torch.int32, device=bias.device)
-    kernel(bias, words, bias_scale)
+    keys = bias.shape[3]
+    words = torch.empty((*rows, keys, WORDS), dtype=torch.int32, device=bias.device)
+    flags = torch.empty((*rows, -(-keys // NUM_THREADS)), dtype=torch.int32, device=bias.device)
+    kernel(bias, words, flags.view(torch.uint8), bias_scale)
     terms = words.view(torch.bfloat16)
-    return terms.expand(bias.shape[0], bias.shape[1], *terms.shape[2:])
+    rows = bias.shape[:2]
+    return terms.expand(*rows, *terms.shape[2:]), flags.expand(*rows, flags.shape[2])

@@ -82,7 +82,7 @@ from ..config import (
     smem_total,
 )
 from ..fwd import FwdScalars
-from ..key_bias_terms import TERMS, terms_fake
+from ..key_bias_terms import MODERATE_WORD, NUM_THREADS, TERMS, moderate_fake, terms_fake
 from ..masking import FULL, VISIBLE
 from ..scores import Scores
 from ..softmax import OnlineSoftmax
@@ -201,6 +201,14 @@ class Sm90FwdSpec:
             buffers += (out,)
         return buffers
 
+    @property
+    def moderate_rows(self) -> bool:
+        """The kernel reads the bias terms' moderate flags (key_bias_terms) and walks an item
+        whose keys are all flagged with the bounded softmax (one FMA per score, as without a
+        bias), else with the exact one: with terms and no mask (a masked walk has two forms
+        already, dense and by bits)."""
+        return self.tile.bias_terms and self.mask is None
+
     @functools.cached_property
     def persistent(self) -> bool:
         """Items whose work the host knows (no mask, or a block mask alone), two consumers,
@@ -235,8 +243,10 @@ class Sm90FwdSpec:
                 cutlass.Int32, (rows, 4), (4, 1), assumed_align=16
             )
         pages = fake_tensor("i32", ("d", "1"), 4) if self.paged else None
+        moderate = moderate_fake(self.bias) if self.moderate_rows else None
         return [
-            q, k, v, out, lse, stats, mask, bias, bits, order, pages, *FwdScalars(), env_stream()
+            q, k, v, out, lse, stats, mask, bias, bits, order, pages, moderate, *FwdScalars(),
+            env_stream(),
         ]  # fmt: skip
 
     def compile(self, arch: str, extra_options: str = ""):
@@ -327,6 +337,7 @@ class FlashFwdSm90:
         # [B * H * query blocks, 4], or per CTA [CTAs, items per CTA, 4] (spec.persistent)
         mOrder: cute.Tensor | None,
         mPages: cute.Tensor | None,  # [B, pages per row] int32 (spec.paged)
+        mModerate: cute.Tensor | None,  # [Bm, Hm, Sk / 128] int32 (spec.moderate_rows)
         scale_log2: cutlass.Float32,
         bias_scale: cutlass.Float32,
         softcap_scale: cutlass.Float32,
@@ -401,7 +412,7 @@ class FlashFwdSm90:
             seqlen_k = mPages.shape[1] * mK.shape[1]  # a row's pages, page_size keys each
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], seqlen_k, mLSE, mStats, mMask, mBias, mBits,
-            mOrder, mPages, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale,
+            mOrder, mPages, mModerate, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale,
             softcap, window_left, window_right, mask_head_div, bias_head_div, group, key_chunks,
             sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
             sBias_layout,
@@ -466,6 +477,7 @@ class FlashFwdSm90:
         mBits: cute.Tensor | None,
         mOrder: cute.Tensor | None,
         mPages: cute.Tensor | None,
+        mModerate: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         tma_k: cute.CopyAtom,
         tma_v: cute.CopyAtom,
@@ -604,7 +616,7 @@ class FlashFwdSm90:
         consumed = (
             tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, sRow, tma_o, pipe_q, pipe_k, pipe_v,
             pipe_tiles, pipe_bias, pipe_row, tiled_mma_qk, tiled_mma_pv, limits, scale_log2,
-            bias_scale, softcap_scale, softcap, sOnes,
+            bias_scale, softcap_scale, softcap, sOnes, mModerate, bias_head_div,
         )  # fmt: skip
 
         if cutlass.const_expr(spec.persistent):
@@ -633,8 +645,8 @@ class FlashFwdSm90:
                 self.walk(self.produce, args, bits, shown, n_block_min, n_block_max, producer=True)
             else:
                 self.first_turn()
-                tile = (m_block, n_block_min, n_block_max, h, b, bits)
-                args = (consumed, tile, self.kv_state(False), None, sQ)
+                item = (m_block, n_block_min, n_block_max, h, b, bits, b_op)
+                args = (consumed, item, self.kv_state(False), None, sQ)
                 self.walk(
                     self.consume, args, bits, shown, n_block_min, n_block_max, producer=False
                 )  # fmt: skip
@@ -723,10 +735,10 @@ class FlashFwdSm90:
         m_block, h, b, shown = self.item_at(mOrder, j)
         while m_block >= 0:
             next_item = self.item_at(mOrder, j + 1)
-            _, bits, n_block_min, n_block_max = self.item_tile(
+            b_op, bits, n_block_min, n_block_max = self.item_tile(
                 m_block, h, b, limits, mBits, mask_head_div, key_chunks
             )
-            tile = (m_block, n_block_min, n_block_max, h, b, bits)
+            tile = (m_block, n_block_min, n_block_max, h, b, bits, b_op)
             if cutlass.const_expr(self.spec.mask is None):
                 state = self.consume(consumed, tile, state, q_state, sO)
             elif shown != 0:
@@ -1028,16 +1040,51 @@ class FlashFwdSm90:
         self, consumed, tile, state, q_state, sO, dense: cutlass.Constexpr[bool] = False
     ):  # fmt: skip
         """A consumer warpgroup: its 64 rows of the query block against every visible key
-        block of `tile`, the stages read from `state` on, then the epilogue (O through sO).
+        block of `tile` (m_block, n_block_min, n_block_max, h, b, bits, b_op: the row of the
+        operands), the stages read from `state` on, then the epilogue (O through sO).
         q_state: Q's stage of this tile in a persistent CTA (released once every Q K^T has
         completed), else None (sQ filled once, and sO over it). Returns the state after the
-        walk."""
+        walk. With moderate flags (spec.moderate_rows) the walk takes the bounded softmax
+        where the item's keys are all flagged (row_moderate), else the exact one."""
+        if cutlass.const_expr(self.spec.moderate_rows):
+            mModerate, bias_head_div = consumed[-2:]
+            _, n_block_min, n_block_max, h, _, _, b_op = tile
+            flags = mModerate[b_op, h // bias_head_div, None]
+            if self.row_moderate(flags, n_block_min, n_block_max):
+                state = self.consume_blocks(consumed, tile, state, q_state, sO, dense, True)
+            else:
+                state = self.consume_blocks(consumed, tile, state, q_state, sO, dense)
+        else:
+            state = self.consume_blocks(consumed, tile, state, q_state, sO, dense)
+        return state
+
+    @cute.jit
+    def row_moderate(self, flags: cute.Tensor, n_block_min, n_block_max) -> cutlass.Boolean:
+        """Whether every key of blocks [n_block_min, n_block_max) has a moderate bias (flags:
+        the item's row of key_bias_terms's words; warp-uniform): each lane reads every 32nd
+        word of the range, then the warp votes."""
+        first = n_block_min * self.tile_n // NUM_THREADS
+        last = cutlass.min(
+            (n_block_max * self.tile_n + NUM_THREADS - 1) // NUM_THREADS, flags.shape[0]
+        )
+        off = cutlass.Int32(0)  # the bits of any word that is not MODERATE_WORD
+        for w in cutlass.range(first + cute.arch.lane_idx(), last, 32):
+            off = off | (flags[w] ^ MODERATE_WORD)
+        return cute.arch.vote_all_sync(off == 0)
+
+    @cute.jit
+    def consume_blocks(
+        self, consumed, tile, state, q_state, sO, dense: cutlass.Constexpr[bool] = False,
+        bounded: cutlass.Constexpr[bool] = False,
+    ):  # fmt: skip
+        """consume's walk and epilogue; bounded: the item's biases are all moderate, so its
+        scores are bounded as without a bias (the bounded softmax, one FMA per score)."""
         (
             tO, sQ, sK, sV, mLSE, mStats, tile_smem, sBias, sRow, tma_o, pipe_q, pipe_k, pipe_v,
             pipe_tiles, pipe_bias, pipe_row, tiled_mma_qk, tiled_mma_pv, limits, scale_log2,
-            bias_scale, softcap_scale, softcap, sOnes,
+            bias_scale, softcap_scale, softcap, sOnes, _, _,
         ) = consumed  # fmt: skip
-        m_block, n_block_min, n_block_max, h, b, bits = tile
+        m_block, n_block_min, n_block_max, h, b, bits, _ = tile
         spec = self.spec
         tm, tn, dp, st = self.tile_m, self.tile_n, self.head_dim_padded, self.stages
         tidx = cute.arch.thread_idx()[0] - 128
@@ -1093,8 +1140,8 @@ class FlashFwdSm90:
             log2_units=log2_units, scale_log2=scale_log2,
         )  # fmt: skip
         softmax = OnlineSoftmax.create(
-            cute.size(acc_mn_view(acc_O).shape[0]), scale_log2, spec.bias is not None,
-            log2_units,
+            cute.size(acc_mn_view(acc_O).shape[0]), scale_log2,
+            spec.bias is not None and not bounded, log2_units,
         )  # fmt: skip
 
         if cutlass.const_expr(q_state is not None):
