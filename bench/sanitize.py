@@ -7,8 +7,8 @@ column sums across the heads of a group), GQA 2/1 and a sliding window; the back
 once in default mode (atomics; on Hopper the wgmma backward) and once deterministic (turn
 counters). Then a forward and backward with a full [1, H, S, S] bias and softcap (on Hopper:
 the bias by TMA in the forward), 7 queries of the first (on Hopper: the short-query forward's
-64-key tiles), a causal one without mask or bias, a causal one with the key bias alone (on
-Hopper: persistent CTAs, the bias row converted once per block), one with a block mask and
+64-key tiles), a causal one without mask or bias, a causal one with a key bias alone, partly
+finfo.min (on Hopper: its terms in Q K^T, the bounded and the exact walk), one with a block mask and
 one causal (on Hopper: its bits, the CTAs in its launch order), a causal one with top-w
 expiry rows (key_expiry) whose backward splits its walks, and decode steps through the kv-cache API (its
 chunks' outputs merged by the combine kernel), the last on a paged cache (on Hopper: its pages
@@ -75,9 +75,12 @@ def main() -> None:
     ours = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     flash_dmattn_func(*ours, is_causal=True).backward(dout)
     assert all(t.grad.isfinite().all() for t in ours)
-    # A key bias alone, causal: on Hopper persistent CTAs in longest-first waves, the bias
-    # row converted by a producer warp (convert_row) for the consumers.
-    check("key bias, causal", (q, k, v, bias), dout, {"is_causal": True})
+    # A key bias alone, causal: on Hopper the row as terms of Q K^T (kernels/key_bias_terms.py),
+    # head 1's last keys finfo.min padding: its last query blocks walk with the exact softmax,
+    # the rest with the bounded one (the terms' moderate flags).
+    padded = bias.clone()
+    padded[:, 1, :, 950:] = torch.finfo(padded.dtype).min
+    check("key bias, causal", (q, k, v, padded), dout, {"is_causal": True})
     # A block mask: the Hopper kernels read it as block bits and take their CTAs' items from
     # its launch order (kernels/launch_order.py); all-False block rows leave rows masked.
     from dmattn_cute.block_mask import expand_block_mask
