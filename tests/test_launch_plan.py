@@ -49,6 +49,23 @@ def test_same_layouts_reuse_the_plan(launches) -> None:
     assert bits.stride()[0] == 0 and bits.stride()[1:] == written.stride()[1:]
 
 
+def test_key_bias_without_a_mask_passes_the_moderate_flags(launches) -> None:
+    """A bf16 key bias without a mask: the forward reads the terms pre-pass's moderate flags
+    (the int32 words it wrote, [B, H, SK / 128 rounded up]) and walks each item in the form
+    they allow (Sm90FwdSpec.moderate_rows); with a mask it takes none."""
+    bias = torch.randn(B, H, 1, SK, dtype=torch.bfloat16)
+    forward(None, bias)
+    forward(torch.rand(B, HKV, SQ, SK) < 0.5, bias)
+    (terms, _), (fwd, args), (masked_terms, _), _, (masked, masked_args) = launches["calls"]
+    assert isinstance(terms, KeyBiasTermsSpec) and fwd.moderate_rows
+    flags = launches["calls"][0][1][2]  # the pre-pass writes them as bytes
+    moderate = args[11]
+    assert moderate.dtype == torch.int32 and tuple(moderate.shape) == (B, H, -(-SK // 128))
+    assert moderate.data_ptr() == flags.data_ptr() and flags.dtype == torch.uint8
+    assert isinstance(masked_terms, KeyBiasTermsSpec) and masked.tile.bias_terms
+    assert not masked.moderate_rows and masked_args[11] is None
+
+
 @pytest.mark.parametrize(
     "change",
     [
