@@ -24,7 +24,9 @@ end of the current one). Three warpgroups:
 - two consumers (64 query rows each): S = bias / scale + Q K^T by wgmma from smem (a
   query-broadcast bias added after the GEMM, or by one more k-step of it: its terms against
   a tile of ones), softcap / mask / causal-window limits, the
-  online softmax, O += P V by wgmma with P from registers.
+  online softmax (with terms and no mask, an item's walk takes the unbiased kernel's bounded
+  softmax where the pre-pass flagged all its keys' biases moderate, else the exact one: the
+  walk compiled twice), O += P V by wgmma with P from registers.
   The next block's Q K^T is issued before the previous block's P V (so the softmax of one
   block runs under the GEMMs of its neighbours), and with head dims up to 128 the two
   consumers take turns at the tensor cores (named barriers), one's softmax under the other's
