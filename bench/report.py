@@ -41,9 +41,10 @@ HOW_TO_READ = """\
 - peak MiB: memory one call allocates beyond its inputs; first call s: compile and warm-up,
   excluded from ms (ours: loading kernels compiled before timing, where the run says so, as
   a user would precompile them; the peers compile in their first call); host ms: CPU time to enqueue one call (a row is host-bound where it nears
-  ms); graph ms (bench.run --graph, ours): the call's GPU time alone, by CUDA graph replay after
-  a clean L2 flush (a read, where ms follows do_bench's zero_ of 256 MB, whose dirty lines
-  are written back during the call), the time to compare where a row is host-bound.
+  ms); graph ms (bench.run --graph: ours, and the peers in fwd): the call's GPU time alone,
+  by CUDA graph replay after a clean L2 flush (a read, where ms follows do_bench's zero_ of
+  256 MB, whose dirty lines are written back during the call), the time to compare where a
+  row is host-bound.
 - rel err vs ours: ||out - ours|| / ||ours|| of the forward output, checked before timing; a
   peer above 2e-2 (bf16) / 1e-2 (fp16) is listed as skipped, not timed.
 - † (summary): host-bound, host ms at least 0.8 x ms: the time is the CPU's enqueue time more
