@@ -68,19 +68,22 @@ class KeyBiasTermsSpec:
         )  # fmt: skip
 
 
+def _rows(bias: OperandSpec) -> tuple[str, str]:
+    """The stride kinds of the batch and head dims of what the pre-pass writes for `bias`:
+    stride 0 where the bias broadcasts (each row computed once)."""
+    return tuple("0" if bias.strides[d] == "0" else "d" for d in (0, 1))
+
+
 def terms_fake(bias: OperandSpec, dtype: str = "i32"):
     """The terms tensor as the kernels that read it see it offline: [Bt, Ht, Sk, 32 bytes] of
-    `dtype` (the pre-pass writes int32 words, the forward reads bf16), stride 0 where the bias
-    broadcasts, 32-byte rows."""
-    kinds = tuple("0" if bias.strides[d] == "0" else "d" for d in (0, 1))
-    return fake_tensor(dtype, (*kinds, "d", "1"), 16, 32 // dtype_bytes(dtype))
+    `dtype` (the pre-pass writes int32 words, the forward reads bf16), 32-byte rows."""
+    return fake_tensor(dtype, (*_rows(bias), "d", "1"), 16, 32 // dtype_bytes(dtype))
 
 
 def moderate_fake(bias: OperandSpec):
     """The moderate flags as the forward reads them offline: int32 words [Bt, Ht, Sk / 128]
-    (rounded up), stride 0 where the bias broadcasts."""
-    kinds = tuple("0" if bias.strides[d] == "0" else "d" for d in (0, 1))
-    return fake_tensor("i32", (*kinds, "1"), 4)
+    (rounded up)."""
+    return fake_tensor("i32", (*_rows(bias), "1"), 4)
 
 
 @dsl_user_op
@@ -190,11 +193,11 @@ def launch_terms(
     """key_bias_terms by the compiled pre-pass of terms_spec(bias, seqlen_k) (the forward
     launch's plan holds it)."""
     bias = terms_source(bias, seqlen_k)
-    rows = [1 if bias.stride(d) == 0 else bias.shape[d] for d in (0, 1)]
+    written = [1 if bias.stride(d) == 0 else bias.shape[d] for d in (0, 1)]  # rows computed
     keys = bias.shape[3]
-    words = torch.empty((*rows, keys, WORDS), dtype=torch.int32, device=bias.device)
-    flags = torch.empty((*rows, -(-keys // NUM_THREADS)), dtype=torch.int32, device=bias.device)
+    words = torch.empty((*written, keys, WORDS), dtype=torch.int32, device=bias.device)
+    flags = torch.empty((*written, -(-keys // NUM_THREADS)), dtype=torch.int32, device=bias.device)
     kernel(bias, words, flags.view(torch.uint8), bias_scale)
-    terms = words.view(torch.bfloat16)
     rows = bias.shape[:2]
+    terms = words.view(torch.bfloat16)
     return terms.expand(*rows, *terms.shape[2:]), flags.expand(*rows, flags.shape[2])

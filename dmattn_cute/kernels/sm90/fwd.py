@@ -414,10 +414,10 @@ class FlashFwdSm90:
             seqlen_k = mPages.shape[1] * mK.shape[1]  # a row's pages, page_size keys each
         self.kernel(
             tQ, tK, tV, tO, mQ.shape[1], seqlen_k, mLSE, mStats, mMask, mBias, mBits,
-            mOrder, mPages, mModerate, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale, softcap_scale,
-            softcap, window_left, window_right, mask_head_div, bias_head_div, group, key_chunks,
-            sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv, tma_bias, tBias,
-            sBias_layout,
+            mOrder, mPages, mModerate, tma_q, tma_k, tma_v, tma_o, scale_log2, bias_scale,
+            softcap_scale, softcap, window_left, window_right, mask_head_div, bias_head_div,
+            group, key_chunks, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
+            tma_bias, tBias, sBias_layout,
         ).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, **self.occupancy,
             use_pdl=True,
