@@ -1,17 +1,76 @@
 """Public entry point: validate once, then run the kernels (CUDA tensors in eager mode:
 ops.eager_attention) or call the ``dmattn_cute::fwd`` op (traced, fake, or not CUDA; see
-ops.py), which runs the CuTe kernels on CUDA tensors and the float32 reference elsewhere."""
+ops.py), which runs the CuTe kernels on CUDA tensors and the float32 reference elsewhere.
+An eager forward that autograd does not record is routed: its layouts' validation, problem
+and launch route (kernels/fwd_launch.py's forward_route) are remembered by a key of them, so
+a repeated call only allocates its outputs and launches (_routing_key)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
 
 from dmattn_cute.block_mask import check_block_mask, with_block_mask
 from dmattn_cute.decode import decode_step
+from dmattn_cute.jit.arch import ARCH_ENV, KERNELS_ENV
+from dmattn_cute.jit.cache import holds_kernels
+from dmattn_cute.kernels.fwd_launch import forward_route, run_route
+from dmattn_cute.memo import capturing, remember
 from dmattn_cute.ops import attention_fwd, eager_attention, eager_cuda
-from dmattn_cute.problem import check_bool, check_problem
+from dmattn_cute.problem import (
+    broadcast_layout,
+    broadcast_view,
+    check_bool,
+    check_problem,
+)
 from dmattn_cute.topw import check_key_expiry, with_key_expiry
+
+# Routed eager forwards: (problem, route, the mask's and bias's broadcast layouts) by routing
+# key (_routing_key), so that a repeated call is neither validated nor planned again (the key
+# holds all that both depend on); held with the kernels' memory cache, whose clearing empties
+# it.
+_ROUTED: dict[tuple, tuple] = holds_kernels({})
+_ROUTED_MAX = 256
+_SCALAR_TYPES = (int, float, bool, type(None))
+
+
+def _routing_key(
+    query, key, value, attn_mask, attn_bias, scalars: tuple, block_mask, key_expiry
+) -> tuple | None:
+    """What an eager forward call's validation, problem and route (fwd_launch.forward_route)
+    depend on: each tensor's shape, strides, dtype, device and 16-byte alignment (a block
+    mask's shape, dtype and device), the scalars with their types (as call_signature keys
+    them), and the environment's arch and kernel choice. None for a call no route serves: not
+    eager CUDA, with an expiry, recorded by autograd, or while a CUDA graph is captured.
+    Written flat (no generator, no helper per tensor): it runs on every call."""
+    if key_expiry is not None or not eager_cuda(query):
+        return None
+    grad = torch.is_grad_enabled()
+    parts = []
+    for t in (query, key, value, attn_mask, attn_bias):
+        if t is None:
+            parts.append(None)
+        elif type(t) is not Tensor or (grad and t.requires_grad):
+            return None  # a subclass (which may describe itself otherwise), or autograd's call
+        else:
+            parts.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16))
+    if block_mask is not None:
+        if type(block_mask) is not Tensor:
+            return None
+        parts.append((block_mask.shape, block_mask.dtype, block_mask.get_device()))
+    softmax_scale, is_causal, softcap, window_size, deterministic = scalars
+    if type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    kinds = tuple(map(type, (softmax_scale, is_causal, softcap, deterministic, *window_size)))
+    for kind in kinds:
+        if kind not in _SCALAR_TYPES:
+            return None
+    if capturing():
+        return None
+    parts += (scalars, kinds, os.environ.get(ARCH_ENV), os.environ.get(KERNELS_ENV))
+    return tuple(parts)
 
 
 def _storage_view(bias: Tensor) -> Tensor:
@@ -69,18 +128,21 @@ def flash_dmattn_func(
     sequences, dmattn_cute/varlen.py). Raises TypeError / ValueError on bad input before any
     work is done.
     """
-    problem = check_problem(
-        query,
-        key,
-        value,
-        attn_mask,
-        attn_bias,
-        softmax_scale,
-        is_causal,
-        softcap,
-        window_size,
-        deterministic,
-    )
+    scalars = (softmax_scale, is_causal, softcap, window_size, deterministic)
+    routing = _routing_key(query, key, value, attn_mask, attn_bias, scalars, block_mask, key_expiry)
+    routed = None if routing is None else _ROUTED.get(routing)
+    if routed is not None:  # validated and planned before
+        check_bool("return_lse", return_lse)
+        problem, route, mask_view, bias_view = routed
+        mask = attn_mask  # the broadcast views, as_strided where they are new views
+        if mask_view is not None:
+            mask = attn_mask.as_strided(*mask_view, attn_mask.storage_offset())
+        bias = attn_bias
+        if bias_view is not None:
+            bias = attn_bias.as_strided(*bias_view, attn_bias.storage_offset())
+        out, lse, _ = run_route(route, problem, query, key, value, mask, bias, block_mask)
+        return (out, lse) if return_lse else out
+    problem = check_problem(query, key, value, attn_mask, attn_bias, *scalars)
     check_bool("return_lse", return_lse)
     if block_mask is not None:
         check_block_mask(
@@ -99,6 +161,12 @@ def flash_dmattn_func(
             decoded = decode_step(problem, query, key, value, attn_mask, attn_bias)
             if decoded is not None:
                 return decoded if return_lse else decoded[0]
+        if routing is not None and problem.seqlen_q > 1:  # (decode steps are decode_step's)
+            mask, bias = broadcast_view(attn_mask), broadcast_view(attn_bias)
+            route = forward_route(problem, query, key, value, mask, bias, block_mask)
+            if route is not None:
+                views = broadcast_layout(attn_mask), broadcast_layout(attn_bias)
+                remember(_ROUTED, routing, lambda: (problem, route, *views), _ROUTED_MAX)
         out, lse = eager_attention(
             problem, query, key, value, attn_mask, attn_bias, block_mask, key_expiry
         )

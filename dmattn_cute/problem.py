@@ -255,14 +255,24 @@ def check_broadcast(
 def broadcast_view(t: Tensor | None) -> Tensor | None:
     """t (3-D [Bm, Hm, Km] or 4-D) as a 4-D view of the same storage with stride 0 on its
     size-1 dims, so a kernel indexes every dim alike; nothing is copied. None for None."""
+    layout = broadcast_layout(t)
+    return t if layout is None else t.as_strided(*layout, t.storage_offset())
+
+
+def broadcast_layout(t: Tensor | None) -> tuple[tuple, tuple] | None:
+    """(shape, strides) of broadcast_view(t) where that is a new view of t's storage at t's
+    offset; None where it is t itself (a 4-D tensor already so: no view op per call) or t
+    is None."""
     if t is None:
         return None
-    view = t.unsqueeze(2) if t.dim() == 3 else t
-    shape, stride = view.shape, view.stride()
-    if all(st == 0 for size, st in zip(shape, stride, strict=True) if size == 1):
-        return view  # already so (e.g. a mask without broadcast dims): no view op per call
+    shape, stride = list(t.shape), list(t.stride())
+    if len(shape) == 3:
+        shape.insert(2, 1)
+        stride.insert(2, 0)
+    elif all(st == 0 for size, st in zip(shape, stride, strict=True) if size == 1):
+        return None
     strides = tuple(0 if size == 1 else st for size, st in zip(shape, stride, strict=True))
-    return view.as_strided(shape, strides, view.storage_offset())
+    return tuple(shape), strides
 
 
 def _check_mask_bias(attn_mask: object, attn_bias: object, query: Tensor) -> None:

@@ -8,13 +8,14 @@ current torch stream.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import torch
 
 from ..jit.arch import hopper_kernels, target_arch
 from ..jit.cache import compiled, holds_kernels
-from ..memo import remember
+from ..memo import capturing, remember, remember_for
 from ..problem import Problem, broadcast_view
 from . import expiry_launch
 from .block_bits import BlockBitsSpec
@@ -236,6 +237,148 @@ def _plan_of(
     )  # fmt: skip
 
 
+class _Route(NamedTuple):
+    """How a common forward call runs (flash_fwd: its outputs made here, no given bits, expiry,
+    key chunks or page table; no operand copied to be read), decided once per layout key
+    (_route_key) so that a repeated call only allocates, looks up what it remembers and
+    launches: its plan; for a block mask alone, the constant key mask the kernel reads next
+    to its bits and the persistent CTAs its items are dealt to; a persistent forward's items
+    without a mask; a serial that keys the block-mask operands remembered for it."""
+
+    plan: _FwdPlan
+    block_mask_view: torch.Tensor | None
+    ctas: int
+    items: torch.Tensor | None
+    serial: int
+
+
+# Routes by layout key (None: the key's calls take the general path); cleared when full and
+# with the kernels' memory cache.
+_ROUTES: dict[tuple, _Route | None] = holds_kernels({})
+_SERIALS = itertools.count()
+# A block mask's bits and launch order per route serial, while the block mask lives.
+_BLOCK_OPERANDS: dict[tuple, tuple] = {}
+
+
+def _route_key(problem: Problem, q, k, v, mask, bias, block_mask, arch: str) -> tuple:
+    """What a route's decisions depend on: the problem, device and kernel family, q/k/v
+    strides and alignment (qkv_view), mask/bias layouts, the block mask's shape."""
+    qkv = tuple((t.shape, t.stride(), t.data_ptr() % 16) for t in (q, k, v))
+    blocks = None if block_mask is None else block_mask.shape
+    return (
+        problem, q.device, arch, hopper_kernels(arch), qkv, kernel_layout(mask),
+        kernel_layout(bias), blocks,
+    )  # fmt: skip
+
+
+def _route(problem: Problem, q, k, v, mask, bias, block_mask, arch: str) -> _Route | None:
+    """The route of a call that flash_fwd's general path would run without copying an
+    operand or materializing a block mask, else None."""
+    if any(qkv_view(t) is not t for t in (q, k, v)) or operand_view(bias) is not bias:
+        return None
+    view, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
+    if block_mask is not None and (blocks is None or mask_given):
+        return None
+    if view is not None and sum(s == 1 for s in view.stride()) > 1:  # operand_view copies
+        return None
+    view = operand_view(view)
+    alone = block_mask is not None
+    plan = _plan_of(problem, view, bias, arch, 1, alone, not alone, False)
+    spec = plan.spec
+    if alone and not isinstance(spec, Sm90FwdSpec):
+        return None
+    persistent = isinstance(spec, Sm90FwdSpec) and spec.persistent
+    ctas = sm_count(q.device, arch) if persistent else 0
+    items = None
+    if persistent and view is None:
+        items = grid_items(
+            problem, spec.tile.tile_m, spec.tile.tile_n, problem.batch,
+            _section_heads(spec, problem, problem.batch), ctas, q.device,
+        )  # fmt: skip
+    return _Route(plan, view if alone else None, ctas, items, next(_SERIALS))
+
+
+def _block_operands(route: _Route, problem: Problem, block_mask: torch.Tensor) -> tuple:
+    """(the kernel's bits view, its items) of a block mask alone on a route, remembered with
+    the block mask."""
+
+    def make() -> tuple:
+        spec = route.plan.spec
+        tile_m, tile_n = spec.tile.tile_m, spec.tile.tile_n
+        heads = route.block_mask_view.shape[1]
+        from_blocks, _ = joint_block_bits(block_mask, None, False, problem, tile_m, tile_n, heads)
+        bits = kernel_bits_view(from_blocks, -(-problem.seqlen_q // tile_m))
+        sections = _section_heads(spec, problem, problem.batch)
+        order = forward_items(
+            block_mask, from_blocks, problem, tile_m, tile_n, sections, route.ctas
+        )
+        return bits, order
+
+    return remember_for(_BLOCK_OPERANDS, block_mask, route.serial, make)
+
+
+def _outputs(problem: Problem, q: torch.Tensor, out=None, lse=None, stats=None) -> tuple:
+    """out, lse and stats of a forward (flash_fwd's): those given, the others made."""
+    batch, heads, seqlen_q, device = problem.batch, problem.num_heads, problem.seqlen_q, q.device
+    if out is None:
+        out = torch.empty((batch, *q.shape[1:]), dtype=q.dtype, device=device)
+    if lse is None:
+        lse = torch.empty(batch, heads, seqlen_q, dtype=torch.float32, device=device)
+    if stats is None:
+        stats = torch.empty(batch, heads, 2, seqlen_q, dtype=torch.float32, device=device)
+    return out, lse, stats
+
+
+def _bias_operands(plan: _FwdPlan, bias, problem: Problem) -> tuple:
+    """(what the kernel reads as its bias, the moderate flags it reads or None): a bias row's
+    terms and flags where the plan's pre-pass makes them, else the bias view and None."""
+    if plan.terms_kernel is None:
+        return bias, None
+    terms, moderate = launch_terms(
+        plan.terms_kernel, bias, plan.scalars.bias_scale, problem.seqlen_k
+    )
+    return terms, moderate if plan.spec.moderate_rows else None
+
+
+def forward_route(
+    problem: Problem, q, k, v, mask, bias, block_mask: torch.Tensor | None = None
+) -> _Route | None:
+    """The route of a common forward call (flash_fwd's arguments; see _Route), remembered by
+    layout key; None where the call takes flash_fwd's general path, and while a CUDA graph
+    is captured (whose replays hold what they read: the memos' `captured`)."""
+    if capturing():
+        return None
+    arch = target_arch(q.device)
+    key = _route_key(problem, q, k, v, mask, bias, block_mask, arch)
+    return remember(
+        _ROUTES, key, lambda: _route(problem, q, k, v, mask, bias, block_mask, arch), _PLANS_MAX
+    )
+
+
+def run_route(
+    route: _Route, problem: Problem, q, k, v, mask, bias, block_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash_fwd's out, lse and stats of a call on its route (forward_route of the call's
+    layouts; mask/bias: 4-D views)."""
+    plan = route.plan
+    out, lse, stats = _outputs(problem, q)
+    bias, moderate = _bias_operands(plan, bias, problem)
+    view = operand_view(mask)
+    if not isinstance(plan.spec, Sm90FwdSpec):
+        plan.kernel(q, k, v, out, lse, stats, view, bias, *plan.scalars)
+        return out, lse, stats
+    bits, order = None, route.items
+    if block_mask is not None:
+        view = route.block_mask_view
+        bits, order = _block_operands(route, problem, block_mask)
+    elif plan.bits_shape is not None:
+        lengths = (problem.seqlen_q, problem.seqlen_k)
+        bits = remembered_bits(mask, lengths, plan.bits_spec, lambda: _scan(plan, view, problem))
+        bits = bits.as_strided(plan.bits_view_shape, plan.bits_strides)
+    plan.kernel(q, k, v, out, lse, stats, view, bias, bits, order, None, moderate, *plan.scalars)
+    return out, lse, stats
+
+
 def key_chunks_refusal(problem: Problem, mask, bias, key_chunks: int) -> str | None:
     """Why the forward cannot run `key_chunks` chunks of every row's keys as batch entries
     (flash_fwd's key_chunks), or None: the batch entries must be a multiple of the chunks and
@@ -339,9 +482,14 @@ def flash_fwd(
                 f"{name}: expected {problem.batch // key_chunks} rows for {problem.batch} batch "
                 f"entries in {key_chunks} key chunks, got {t.shape[0]}"
             )
+    given = (out, lse, stats, bits, key_expiry, block_table)
+    if key_chunks == 1 and given == (None,) * 6:
+        route = forward_route(problem, q, k, v, mask, bias, block_mask)
+        if route is not None:
+            return run_route(route, problem, q, k, v, mask, bias, block_mask)
+    arch = target_arch(q.device)
     q, k, v = qkv_view(q), qkv_view(k), qkv_view(v)
     bias = operand_view(bias)
-    arch = target_arch(q.device)
     expiry = None  # the expiry view, where the kernel reads it as its mask
     if key_expiry is not None:
         view = broadcast_view(key_expiry)
@@ -353,17 +501,7 @@ def flash_fwd(
     # blocks: the block mask, where the kernel reads it as bits
     mask4, blocks, mask_given = forward_operands(problem, mask, block_mask, bias, arch)
     mask = operand_view(mask4)
-    if out is None:
-        out = torch.empty((problem.batch, *q.shape[1:]), dtype=q.dtype, device=q.device)
-    if lse is None:
-        lse = torch.empty(
-            problem.batch, problem.num_heads, problem.seqlen_q, dtype=torch.float32, device=q.device
-        )
-    if stats is None:
-        stats = torch.empty(
-            problem.batch, problem.num_heads, 2, problem.seqlen_q, dtype=torch.float32,
-            device=q.device,
-        )  # fmt: skip
+    out, lse, stats = _outputs(problem, q, out, lse, stats)
     scans = blocks is None or mask_given  # (a block mask alone needs no pre-pass)
     paged = block_table is not None
     if paged and k.shape[1] % (tile_n := paged_tile_n(problem, mask, bias, arch) or 1):
@@ -371,13 +509,7 @@ def flash_fwd(
             f"block_table: page_size {k.shape[1]} is not a multiple of the key tile {tile_n}"
         )
     plan = _plan_of(problem, mask, bias, arch, key_chunks, blocks is not None, scans, paged)
-    moderate = None  # the terms' moderate flags, where the kernel reads them
-    if plan.terms_kernel is not None:  # what the kernel reads in place of the bias
-        bias, moderate = launch_terms(
-            plan.terms_kernel, bias, plan.scalars.bias_scale, problem.seqlen_k
-        )
-        if not plan.spec.moderate_rows:
-            moderate = None
+    bias, moderate = _bias_operands(plan, bias, problem)
     if expiry is not None:
         tile = plan.spec.tile
         bits = expiry_launch.expiry_bits(key_expiry, problem, tile.tile_m, tile.tile_n)
@@ -457,9 +589,11 @@ __all__ = [
     "flash_fwd",
     "forward_family",
     "forward_operands",
+    "forward_route",
     "forward_spec_of",
     "forward_variants",
     "fwd_spec",
     "key_chunks_refusal",
     "paged_tile_n",
+    "run_route",
 ]

@@ -193,11 +193,14 @@ def launch_terms(
     """key_bias_terms by the compiled pre-pass of terms_spec(bias, seqlen_k) (the forward
     launch's plan holds it)."""
     bias = terms_source(bias, seqlen_k)
-    written = [1 if bias.stride(d) == 0 else bias.shape[d] for d in (0, 1)]  # rows computed
-    keys = bias.shape[3]
-    words = torch.empty((*written, keys, WORDS), dtype=torch.int32, device=bias.device)
-    flags = torch.empty((*written, -(-keys // NUM_THREADS)), dtype=torch.int32, device=bias.device)
+    shape, stride = bias.shape, bias.stride()
+    written = (1 if stride[0] == 0 else shape[0], 1 if stride[1] == 0 else shape[1])  # rows
+    keys, device = shape[3], bias.device
+    words = torch.empty((*written, keys, WORDS), dtype=torch.int32, device=device)
+    flags = torch.empty((*written, -(-keys // NUM_THREADS)), dtype=torch.int32, device=device)
     kernel(bias, words, flags.view(torch.uint8), bias_scale)
-    rows = bias.shape[:2]
     terms = words.view(torch.bfloat16)
+    rows = shape[:2]
+    if rows == written:  # no broadcast row: no view op per call
+        return terms, flags
     return terms.expand(*rows, *terms.shape[2:]), flags.expand(*rows, flags.shape[2])

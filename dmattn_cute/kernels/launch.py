@@ -67,9 +67,10 @@ def operand_view(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def qkv_view(t: torch.Tensor) -> torch.Tensor:
-    """q/k/v/out as the kernels need them: 16-byte aligned rows (copied only when not)."""
+    """q/k/v/out as the kernels need them: 16-byte aligned rows (copied only when not; a
+    contiguous tensor at a misaligned address too, which contiguous() would return as is)."""
     aligned = t.data_ptr() % 16 == 0 and all(s != 0 and s % 8 == 0 for s in t.stride()[:3])
-    return t if aligned else t.contiguous()
+    return t if aligned else t.clone(memory_format=torch.contiguous_format)
 
 
 def kernel_layout(t: torch.Tensor | None) -> tuple | None:
